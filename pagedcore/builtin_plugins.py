@@ -1,0 +1,33 @@
+"""The built-in implementations, registered as a plugin like any other."""
+
+from __future__ import annotations
+
+from pagedcore.hookspecs import hookimpl
+
+
+@hookimpl(trylast=True)
+def pagedcore_load_model(config):
+    from pagedcore.model_loader import load_model_and_tokenizer
+
+    device = config.torch_device()
+    return load_model_and_tokenizer(config.model, config.torch_dtype(device), device, config.tokenizer)
+
+
+@hookimpl(trylast=True)
+def pagedcore_attention_backend(name, device):
+    if name in (None, "triton") and device.type == "cuda" or name == "triton":
+        from pagedcore.kernels.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    if name in (None, "torch"):
+        from pagedcore.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    return None
+
+
+@hookimpl(trylast=True)
+def pagedcore_scheduling_policy(name):
+    from pagedcore.scheduler import FCFSPolicy
+
+    return FCFSPolicy() if name == "fcfs" else None

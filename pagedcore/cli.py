@@ -1,0 +1,95 @@
+"""`pagedcore` command line: generate (more subcommands join as front doors land)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF directory, .gguf file, or omit for the bundled SmolLM2-135M-Instruct")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes (default: a fraction of free memory)")
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--attention-backend", default=None)
+
+
+def _engine_settings(args) -> dict:
+    return dict(model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len, attention_backend=args.attention_backend)
+
+
+def cmd_generate(args) -> int:
+    from pagedcore import LLM, SamplingParams
+
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        print("error: give at least one prompt (or --prompts-file)", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    llm = LLM(**_engine_settings(args))
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            max_tokens=args.max_tokens, seed=args.seed, n=args.n, stop=args.stop or [])
+    tok = llm.get_tokenizer()
+    use_chat = not args.no_chat and getattr(tok, "chat_template", None)
+    inputs = [llm.apply_chat_template([{"role": "user", "content": p}]) if use_chat else p for p in prompts]
+    t1 = time.perf_counter()
+    outputs = llm.generate(inputs, params)
+    gen_s = time.perf_counter() - t1
+    n_tokens = sum(len(o.token_ids) for r in outputs for o in r.outputs)
+    for prompt, r in zip(prompts, outputs):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "outputs": [
+                {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason} for o in r.outputs]}))
+        else:
+            for o in r.outputs:
+                print(f"### {prompt}\n{o.text}\n")
+    print(f"[pagedcore] {len(prompts)} prompt(s), {n_tokens} tokens in {gen_s:.2f} s "
+          f"({n_tokens / gen_s:.1f} tok/s); engine start {load_s:.2f} s", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedcore", description="pagedcore LLM inference engine")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    g.add_argument("prompt", nargs="*", help="prompt text (chat template applied for chat models)")
+    g.add_argument("--prompts-file", help="one prompt per line")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("-n", type=int, default=1)
+    g.add_argument("--stop", action="append")
+    g.add_argument("--no-chat", action="store_true", help="send prompts raw, without the chat template")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    _add_engine_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

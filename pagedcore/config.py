@@ -1,0 +1,46 @@
+"""EngineConfig: every engine setting in one dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF directory, .gguf file, or None for the bundled SmolLM2
+    tokenizer: str | None = None  # defaults to the model's own
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for the KV cache; None: kv_cache_fraction of free memory
+    kv_cache_fraction: float = 0.2
+    num_kv_blocks: int | None = None  # overrides both of the above (tests, tight budgets)
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # defaults to the model's context length
+    enable_chunked_prefill: bool = True
+    attention_backend: str | None = None  # None: picked from the device through the hook
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    num_threads: int | None = None  # torch CPU threads; None leaves torch's default
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not 0 < self.kv_cache_fraction <= 1:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            # fp32 on CPU keeps results equal to transformers' defaults; bf16 is opt-in there.
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]

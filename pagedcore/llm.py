@@ -1,0 +1,64 @@
+"""LLM: the offline API, `LLM(model=...).generate(prompts, params)` as in vLLM."""
+
+from __future__ import annotations
+
+from typing import Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from pagedcore.llm_engine import LLMEngine
+from pagedcore.outputs import OutputKind, RequestOutput
+from pagedcore.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, plugins=(), **engine_settings):
+        self.engine = LLMEngine(model=model, plugins=plugins, **engine_settings)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """One output per prompt, in prompt order. A prompt is a string or a list of token ids."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        # Validate everything first: a bad prompt fails the call before any work is queued.
+        processed = [self.engine.process_prompt(p, sp) for p, sp in zip(prompts, params)]
+        ids = [self.engine.add_request(None, p, output_kind=OutputKind.FINAL_ONLY) for p in processed]
+        return self._run(ids, use_tqdm)
+
+    def chat(self, conversations: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        ids = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                        tokenize=True, return_dict=False)
+        return list(ids)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm or len(ids) < 2)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+                        bar.set_postfix(tok_s=f"{self.engine.total_generated_tokens / max(bar.format_dict['elapsed'], 1e-9):.0f}")
+        except BaseException:
+            self.engine.abort_request(ids)  # never leave blocks held by a failed call
+            raise
+        finally:
+            bar.close()
+        return [results[i] for i in ids]

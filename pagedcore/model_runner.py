@@ -1,0 +1,153 @@
+"""ModelRunner: the KV cache tensors and one forward pass per step over a flattened, unpadded batch."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pagedcore.attention import hf_glue
+from pagedcore.attention.backend import AttentionMetadata
+from pagedcore.config import EngineConfig
+from pagedcore.scheduler import SchedulerOutput
+
+logger = logging.getLogger("pagedcore")
+
+
+@dataclass
+class ModelShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf_config(cls, hf_config) -> "ModelShape":
+        c = hf_config.get_text_config()
+        heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        return cls(
+            num_layers=c.num_hidden_layers,
+            num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            max_position_embeddings=getattr(c, "max_position_embeddings", 2048),
+        )
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # which of the T tokens' logits are sampled
+    sample_rows: list[int]  # which scheduled sequences those belong to
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read available memory from /proc/meminfo")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model, backend, device: torch.device, dtype: torch.dtype):
+        self.config = config
+        self.model = model
+        self.backend = backend
+        self.device = device
+        self.dtype = dtype
+        self.shape = ModelShape.from_hf_config(model.config)
+        self.block_size = config.block_size
+        self.num_blocks = self._num_blocks()
+        self.kv_caches = self._allocate_kv_cache()
+        hf_glue.install(model)
+
+    def bytes_per_block(self) -> int:
+        s = self.shape
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * elem
+
+    def _num_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        budget = self.config.kv_cache_memory
+        if budget is None:
+            budget = int(available_memory(self.device) * self.config.kv_cache_fraction)
+        return budget // self.bytes_per_block()
+
+    def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        s = self.shape
+        if self.num_blocks < 1:
+            raise ValueError(f"KV cache budget too small for one block of {self.bytes_per_block()} bytes")
+        shape = (self.num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
+        # torch.empty: pages are touched only as blocks are used.
+        caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
+                   torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(s.num_layers)]
+        logger.info("KV cache: %d blocks = %d tokens (%.1f MiB, block_size %d)", self.num_blocks,
+                    self.num_blocks * self.block_size, self.num_blocks * self.bytes_per_block() / 2**20,
+                    self.block_size)
+        return caches
+
+    def prepare(self, sched: SchedulerOutput) -> ModelInput:
+        """Build input ids, positions, the attention metadata, and which rows' logits to keep."""
+        input_ids: list[int] = []
+        starts, q_lens, block_tables, sample_rows = [], [], [], []
+        for seq, n in sched.scheduled:
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start:start + n])
+            starts.append(start)
+            q_lens.append(n)
+            block_tables.append(seq.block_table)
+        seq_lens = [s + n for s, n in zip(starts, q_lens)]
+        for i, (seq, _) in enumerate(sched.scheduled):
+            if seq_lens[i] == seq.num_tokens:  # this chunk reaches the end: a new token is sampled
+                sample_rows.append(i)
+
+        dev = self.device
+        q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
+        qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens_t, 0, out=qsl[1:])
+        # position of token t = start of its sequence + its offset inside the sequence's chunk
+        offsets = torch.tensor(starts, dtype=torch.int64) - qsl[:-1]
+        positions = torch.arange(qsl[-1].item()) + torch.repeat_interleave(offsets, q_lens_t)
+        seq_idx = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t)
+
+        width = max(len(bt) for bt in block_tables)
+        block_table = torch.tensor([bt + [0] * (width - len(bt)) for bt in block_tables], dtype=torch.int32)
+        slot_mapping = block_table[seq_idx, positions // self.block_size].long() * self.block_size \
+            + positions % self.block_size
+        qsl_list = qsl.tolist()
+        metadata = AttentionMetadata(
+            num_tokens=len(input_ids),
+            query_start_loc=qsl.to(dev, torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_table=block_table.to(dev),
+            slot_mapping=slot_mapping.to(dev),
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=qsl_list,
+            seq_lens_cpu=seq_lens,
+            block_size=self.block_size,
+        )
+        logits_indices = torch.tensor([qsl_list[i + 1] - 1 for i in sample_rows], dtype=torch.int64, device=dev)
+        return ModelInput(torch.tensor(input_ids, device=dev), positions.to(dev), metadata, logits_indices, sample_rows)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> tuple[list[int], torch.Tensor]:
+        """Run one step; return the scheduled rows that sample and their logits [rows, vocab]."""
+        if sched.blocks_to_copy:
+            src, dst = zip(*sched.blocks_to_copy)
+            self.backend.copy_blocks(self.kv_caches, torch.tensor(src, device=self.device),
+                                     torch.tensor(dst, device=self.device))
+        inp = self.prepare(sched)
+        ctx = hf_glue.ForwardContext(self.backend, self.backend.build_metadata(inp.metadata), self.kv_caches)
+        with hf_glue.forward_context(ctx):
+            out = self.model(input_ids=inp.input_ids[None], position_ids=inp.positions[None], use_cache=False,
+                             logits_to_keep=inp.logits_indices)
+        return inp.sample_rows, out.logits[0]

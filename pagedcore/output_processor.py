@@ -1,0 +1,72 @@
+"""Turns sequences into RequestOutputs: cumulative, streamed deltas, or final only; best_of selection."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pagedcore.outputs import CompletionOutput, Logprob, OutputKind, RequestMetrics, RequestOutput
+from pagedcore.sampling_params import SamplingParams
+from pagedcore.sequence import Sequence
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_kind: OutputKind
+    seqs: list[Sequence] = field(default_factory=list)
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
+    num_sent_tokens: dict[int, int] = field(default_factory=dict)  # per seq index, for deltas
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def make_logprobs(self, token_id: int, logprob: float, top_ids: list[int], top_lps: list[float]) -> dict[int, Logprob]:
+        d = {tid: Logprob(lp, rank + 1) for rank, (tid, lp) in enumerate(zip(top_ids, top_lps))}
+        if token_id not in d:
+            d[token_id] = Logprob(logprob, None)
+        return d
+
+    def make_output(self, state: RequestState) -> RequestOutput | None:
+        finished = state.finished
+        if state.output_kind is OutputKind.FINAL_ONLY and not finished:
+            return None
+        seqs = self._select(state) if finished else state.seqs
+        delta = state.output_kind is OutputKind.DELTA
+        completions = [self._completion(state, seq, i, delta) for i, seq in enumerate(seqs)]
+        m = state.metrics
+        m.first_token_time = m.first_token_time or min(
+            (s.first_token_time for s in state.seqs if s.first_token_time), default=None)
+        if finished:
+            m.finished_time = time.monotonic()
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished, m)
+
+    def _select(self, state: RequestState) -> list[Sequence]:
+        """The n best of best_of by cumulative logprob (all of them when best_of is unset)."""
+        n = state.params.n
+        if len(state.seqs) == n:
+            return state.seqs
+        return sorted(state.seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:n]
+
+    def _completion(self, state: RequestState, seq: Sequence, index: int, delta: bool) -> CompletionOutput:
+        out_ids = seq.output_token_ids
+        logprobs = seq.logprobs
+        if delta:
+            sent = state.num_sent_tokens.get(seq.index, 0)
+            state.num_sent_tokens[seq.index] = len(out_ids)
+            text = seq.detokenizer.get_next_output_text(seq.is_finished, delta=True)
+            out_ids = out_ids[sent:]
+            logprobs = logprobs[sent:] if logprobs is not None else None
+        else:
+            text = seq.detokenizer.get_next_output_text(seq.is_finished, delta=False)
+        reason = seq.status.value if seq.is_finished else None
+        return CompletionOutput(index, text, out_ids, seq.cumulative_logprob, logprobs, reason, seq.stop_reason)

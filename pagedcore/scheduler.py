@@ -1,0 +1,127 @@
+"""Scheduler: iteration-level continuous batching under one token budget per step.
+
+No prefill/decode phases (vLLM v1): each sequence has `num_computed_tokens` and `num_tokens`, and a
+step gives each running sequence, then each waiting one, as many of its missing tokens as the
+budget allows (long prompts are chunked across steps). When blocks run out the newest running
+sequence is preempted by recompute: its blocks are dropped and it re-prefills later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pagedcore.config import EngineConfig
+from pagedcore.kv_cache_manager import KVCacheManager
+from pagedcore.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    # (sequence, number of its tokens to compute this step), running ones first
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class FCFSPolicy:
+    """Waiting sequences in arrival order; preempted ones return to the front."""
+
+    name = "fcfs"
+
+    def add(self, waiting: deque[Sequence], seq: Sequence) -> None:
+        waiting.append(seq)
+
+    def readd_preempted(self, waiting: deque[Sequence], seq: Sequence) -> None:
+        waiting.appendleft(seq)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, policy=None,
+                 on_event: Callable[[str, Sequence], None] | None = None):
+        self.config = config
+        self.kv = kv
+        self.policy = policy or FCFSPolicy()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()  # seam for swap preemption
+        self.num_preemptions = 0
+        self._on_event = on_event or (lambda kind, seq: None)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.policy.add(self.waiting, seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:  # admitting new work right after preempting would only thrash
+            self._schedule_waiting(out, budget)
+        out.blocks_to_copy = self.kv.take_pending_copies()
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(seq, num_new):
+                victim = self.running.pop()  # the newest
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, num_new))
+                budget -= num_new
+                i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            num_new = seq.num_tokens - seq.num_computed_tokens
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate_slots(seq, num_new):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, num_new))
+            budget -= num_new
+            self._on_event("scheduled", seq)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.kv.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.policy.readd_preempted(self.waiting, seq)
+        out.preempted.append(seq)
+        self._on_event("preempted", seq)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Remove a sequence wherever it is and return its blocks."""
+        assert status.finished
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
+        self.kv.free(seq)
+        seq.status = status

@@ -1,0 +1,83 @@
+"""Sequence: one generated continuation, the unit the scheduler and KV cache manager work on.
+
+A request with `n > 1` owns several sequences (one per sample) that share the prompt.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedcore.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"  # seam for swap preemption
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n samples
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_total_tokens: int  # hard cap: model context and KV capacity
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    generator: torch.Generator | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    token_ids: list[int] = field(default_factory=list)  # prompt + output, kept flat for slicing
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] | None = None
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    detokenizer: object | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int, logprob: float) -> None:
+        self.token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
