@@ -86,9 +86,10 @@ class ModelRunner:
         if self.num_blocks < 1:
             raise ValueError(f"KV cache budget too small for one block of {self.bytes_per_block()} bytes")
         shape = (self.num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
-        # torch.empty: pages are touched only as blocks are used.
-        caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
-                   torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(s.num_layers)]
+        # Zeros, not empty: batched paths read (masked) slots past a sequence's end, and 0 * NaN
+        # from uninitialised memory would poison the output.
+        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                   torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(s.num_layers)]
         logger.info("KV cache: %d blocks = %d tokens (%.1f MiB, block_size %d)", self.num_blocks,
                     self.num_blocks * self.block_size, self.num_blocks * self.bytes_per_block() / 2**20,
                     self.block_size)

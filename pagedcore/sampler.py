@@ -1,0 +1,317 @@
+"""Sampler: turns one step's logits [B, V] into one token per row (row = sequence).
+
+Processing order follows vLLM:
+
+    min_tokens EOS/stop masking -> repetition penalty -> presence/frequency penalties
+    -> greedy rows: argmax
+    -> random rows: temperature -> top-k -> top-p -> min-p -> exponential race
+
+Logprobs are those of the RAW model distribution (log_softmax of the incoming
+logits, before any processing), as vLLM v1 does by default: beam search and
+comparisons against reference implementations need the model's own numbers.
+
+Everything is vectorised over the batch. The only Python loop is over seeded
+rows, so that each seeded request draws its noise from its own generator and gets
+the same sample whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedcore.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+# --------------------------------------------------------------------------- batch
+
+
+@dataclass
+class SamplingBatch:
+    """Per-step, per-row sampling tensors. Unused features leave their tensors None."""
+
+    vocab_size: int
+    all_greedy: bool
+    all_random: bool
+    # [B] bool, True for greedy rows; only set for a mixed batch.
+    greedy_mask: torch.Tensor | None = None
+    # [B] float32; greedy rows hold 1.0 so the shared random path stays finite
+    # (their draws are discarded). None when all rows are greedy.
+    temperature: torch.Tensor | None = None
+    # Truncation, per row. Greedy rows are neutral (k=0, p=1, min_p=0), so the
+    # no_* flags reflect only the rows that actually sample.
+    top_k: torch.Tensor | None = None  # [B] long, 0 = off
+    top_p: torch.Tensor | None = None  # [B] float32, 1 = off
+    min_p: torch.Tensor | None = None  # [B] float32, 0 = off
+    no_top_k: bool = True
+    no_top_p: bool = True
+    no_min_p: bool = True
+    # Penalties. Token ids are padded with vocab_size (scattered into a spare column).
+    no_penalties: bool = True
+    repetition_penalties: torch.Tensor | None = None  # [B] float32, None when all 1
+    presence_penalties: torch.Tensor | None = None  # [B] float32, None when all
+    frequency_penalties: torch.Tensor | None = None  # presence/frequency are 0
+    prompt_token_ids: torch.Tensor | None = None  # [B, Lp] long, only for repetition
+    output_token_ids: torch.Tensor | None = None  # [B, Lo] long, any penalty
+    # min_tokens: (row indices, token ids) of logits to force to -inf this step.
+    min_tokens_block: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Seeded random rows only: advancing a generator for a greedy row would make
+    # a request's samples depend on history that is not its own.
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    # Whether some random row has no generator and draws from the default RNG.
+    needs_default_rng: bool = False
+    # Largest top-N logprobs any row asked for; None when no row asked.
+    max_num_logprobs: int | None = None
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        eos_token_ids: list[int] | set[int],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+    ) -> "SamplingBatch":
+        n = len(params)
+        if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == n):
+            raise ValueError("params, prompt_token_ids, output_token_ids and generators must have one entry per row")
+        V = vocab_size
+        greedy = [p.greedy for p in params]
+        batch = cls(vocab_size=V, all_greedy=all(greedy), all_random=not any(greedy))
+
+        def f32(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        if not batch.all_greedy:
+            if not batch.all_random:
+                batch.greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
+            batch.temperature = f32([1.0 if g else p.temperature for p, g in zip(params, greedy)])
+            # k >= V keeps everything: treat it as off so no top-k pass runs for it.
+            top_k = [0 if g or p.top_k >= V else p.top_k for p, g in zip(params, greedy)]
+            top_p = [1.0 if g else float(p.top_p) for p, g in zip(params, greedy)]
+            min_p = [0.0 if g else float(p.min_p) for p, g in zip(params, greedy)]
+            batch.no_top_k = all(k == 0 for k in top_k)
+            batch.no_top_p = all(p >= 1.0 for p in top_p)
+            batch.no_min_p = all(m == 0.0 for m in min_p)
+            if not batch.no_top_k:
+                batch.top_k = torch.tensor(top_k, dtype=torch.long, device=device)
+            if not batch.no_top_p:
+                batch.top_p = f32(top_p)
+            if not batch.no_min_p:
+                batch.min_p = f32(min_p)
+            batch.generators = {i: g for i, (g, gr) in enumerate(zip(generators, greedy)) if g is not None and not gr}
+            batch.needs_default_rng = sum(not g for g in greedy) > len(batch.generators)
+
+        # Penalties apply to greedy rows too (they change the argmax).
+        use_repetition = any(p.repetition_penalty != 1.0 for p in params)
+        use_output = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
+        batch.no_penalties = not (use_repetition or use_output)
+        if use_repetition:
+            batch.repetition_penalties = f32([float(p.repetition_penalty) for p in params])
+            batch.prompt_token_ids = _pad_token_ids(prompt_token_ids, V, device)
+        if use_output:
+            batch.presence_penalties = f32([float(p.presence_penalty) for p in params])
+            batch.frequency_penalties = f32([float(p.frequency_penalty) for p in params])
+        if not batch.no_penalties:
+            batch.output_token_ids = _pad_token_ids(output_token_ids, V, device)
+
+        # min_tokens blocks EOS and stop ids (ignore_eos only changes stopping, not this).
+        eos = list(eos_token_ids)
+        rows: list[int] = []
+        toks: list[int] = []
+        for i, (p, out) in enumerate(zip(params, output_token_ids)):
+            if len(out) < p.min_tokens:
+                blocked = sorted({t for t in (*eos, *p.stop_token_ids) if 0 <= t < V})
+                rows += [i] * len(blocked)
+                toks += blocked
+        if rows:
+            batch.min_tokens_block = (
+                torch.tensor(rows, dtype=torch.long, device=device),
+                torch.tensor(toks, dtype=torch.long, device=device),
+            )
+
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        # A tiny test vocabulary can be smaller than the N asked for.
+        batch.max_num_logprobs = min(max(wanted), V) if wanted else None
+        return batch
+
+
+def _pad_token_ids(ids: list[list[int]], vocab_size: int, device) -> torch.Tensor:
+    """[B, L] long, padded with vocab_size (a column the count buffer then drops)."""
+    width = max((len(x) for x in ids), default=0)
+    padded = [list(x) + [vocab_size] * (width - len(x)) for x in ids]
+    return torch.tensor(padded, dtype=torch.long, device=device).view(len(ids), width)
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The per-request generator a seeded request keeps for its whole life."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+# --------------------------------------------------------------------------- pure ops
+
+
+def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, L] ids padded with vocab_size -> [B, V] occurrence counts (long)."""
+    B = token_ids.shape[0]
+    counts = torch.zeros(B, vocab_size + 1, dtype=torch.long, device=token_ids.device)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: torch.Tensor | None,
+    output_token_ids: torch.Tensor | None,
+    presence_penalties: torch.Tensor | None,
+    frequency_penalties: torch.Tensor | None,
+    repetition_penalties: torch.Tensor | None,
+) -> torch.Tensor:
+    """Repetition (HF, prompt + output), then frequency/presence (OpenAI, output only).
+
+    Token id tensors are [B, L] padded with V. A None penalty tensor is skipped.
+    Returns a new tensor; `logits` is not modified.
+    """
+    V = logits.shape[-1]
+    output_counts = token_counts(output_token_ids, V) if output_token_ids is not None else None
+    if repetition_penalties is not None:
+        seen = token_counts(prompt_token_ids, V) > 0
+        if output_counts is not None:
+            seen |= output_counts > 0
+        rep = repetition_penalties.unsqueeze(1)
+        # Dividing a positive logit and multiplying a negative one both make the
+        # token less likely (for p > 1), which a plain division would not.
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalised, logits)
+    if presence_penalties is not None:
+        counts = output_counts.to(logits.dtype)
+        logits = logits - frequency_penalties.unsqueeze(1) * counts
+        logits = logits - presence_penalties.unsqueeze(1) * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's k largest logits (ties at the k-th value kept); k <= 0 or >= V: off."""
+    V = logits.shape[-1]
+    off = (k <= 0) | (k >= V)
+    k = k.masked_fill(off, 1)
+    # One topk with the batch's largest k, not a full sort of the vocabulary.
+    top = logits.topk(int(k.max()), dim=-1).values
+    threshold = top.gather(1, (k - 1).unsqueeze(1))
+    threshold = threshold.masked_fill(off.unsqueeze(1), _NEG_INF)
+    return logits.masked_fill(logits < threshold, _NEG_INF)
+
+
+def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's smallest most-probable prefix with mass >= p; p >= 1: off."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    cumsum = probs.cumsum(dim=-1)
+    # Mass strictly before each token: the token is needed while that is < p.
+    # (Shifted cumsum, not cumsum - probs, which would add a rounding error.)
+    mass_before = torch.cat([torch.zeros_like(cumsum[:, :1]), cumsum[:, :-1]], dim=-1)
+    # p = 1 must be a no-op even where float32 cumsum tops out just below 1.
+    p = p.masked_fill(p >= 1.0, float("inf")).unsqueeze(1)
+    drop_sorted = mass_before >= p
+    drop_sorted[:, 0] = False  # the top token always survives
+    drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
+    return logits.masked_fill(drop, _NEG_INF)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p * (the row's top probability)."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+def exponential_race(
+    probs: torch.Tensor,
+    generators: dict[int, torch.Generator],
+    needs_default_rng: bool = True,
+) -> torch.Tensor:
+    """Sample argmax(probs / q), q ~ Exponential(1): an exact draw from probs.
+
+    Seeded rows draw their own q from their generator (a fresh [V] tensor, so
+    the draw does not depend on the row index or the batch); the rest share one
+    draw from the default RNG.
+    """
+    q = torch.empty_like(probs)
+    if needs_default_rng:
+        q.exponential_()
+    else:
+        q.fill_(1.0)  # every random row is seeded; what greedy rows get is discarded
+    V = probs.shape[-1]
+    for i, g in generators.items():
+        q[i] = torch.empty(V, dtype=probs.dtype, device=probs.device).exponential_(generator=g)
+    # exponential_ can return exactly 0; a masked token (prob 0) would then give 0/0 = NaN.
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return probs.div(q).argmax(dim=-1)
+
+
+# --------------------------------------------------------------------------- sampler
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] long
+    sampled_logprobs: torch.Tensor  # [B] float32, raw logprob of the sampled token
+    topk_token_ids: torch.Tensor | None = None  # [B, K] long, K = max_num_logprobs
+    topk_logprobs: torch.Tensor | None = None  # [B, K] float32, descending
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        raw = logits.float()  # may alias the caller's tensor: never modified in place
+        raw_logprobs = torch.log_softmax(raw, dim=-1) if batch.max_num_logprobs is not None else None
+
+        logits = self.process_logits(raw, batch)
+        if batch.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            sampled = self.sample_random(logits, batch)
+            if not batch.all_random:
+                sampled = torch.where(batch.greedy_mask, logits.argmax(dim=-1), sampled)
+
+        index = sampled.unsqueeze(1)
+        if raw_logprobs is None:
+            # logsumexp is a reduction: no [B, V] log_softmax when nobody wants top-N.
+            sampled_logprobs = (raw.gather(1, index) - raw.logsumexp(dim=-1, keepdim=True)).squeeze(1)
+            return SamplerOutput(sampled, sampled_logprobs)
+        sampled_logprobs = raw_logprobs.gather(1, index).squeeze(1)
+        top = raw_logprobs.topk(batch.max_num_logprobs, dim=-1)
+        return SamplerOutput(sampled, sampled_logprobs, top.indices, top.values)
+
+    @staticmethod
+    def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """min_tokens masking and penalties: what greedy and random rows share."""
+        if batch.min_tokens_block is not None:
+            logits = logits.index_put(batch.min_tokens_block, torch.tensor(_NEG_INF, device=logits.device))
+        if not batch.no_penalties:
+            logits = apply_penalties(
+                logits,
+                batch.prompt_token_ids,
+                batch.output_token_ids,
+                batch.presence_penalties,
+                batch.frequency_penalties,
+                batch.repetition_penalties,
+            )
+        return logits
+
+    @staticmethod
+    def sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Temperature, truncation, then one exponential race over the whole batch."""
+        logits = logits / batch.temperature.unsqueeze(1)
+        if not batch.no_top_k:
+            logits = apply_top_k(logits, batch.top_k)
+        if not batch.no_top_p:
+            logits = apply_top_p(logits, batch.top_p)
+        if not batch.no_min_p:
+            logits = apply_min_p(logits, batch.min_p)
+        probs = logits.softmax(dim=-1)
+        return exponential_race(probs, batch.generators, batch.needs_default_rng)

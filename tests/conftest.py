@@ -1,0 +1,97 @@
+"""Shared fixtures: the real SmolLM2 (converted once), tiny random-weight models, the HF greedy reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "List three prime numbers.",
+    "Hi!",
+    "Translate 'good morning' into Spanish and German, and say which languages these are.",
+    "What does a compiler do? Answer for a ten-year-old, in detail, with an example about cooking recipes.",
+    "Name a famous painting.",
+]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    from pagedcore.model_loader import resolve_model_dir
+
+    return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+@pytest.fixture(scope="session")
+def chat_prompt_ids(smollm2_tokenizer):
+    return [list(smollm2_tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                       tokenize=True, return_dict=False)) for p in CHAT_PROMPTS]
+
+
+def tiny_config(arch: str):
+    from transformers import AutoConfig
+
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=2, initializer_range=0.3, tie_word_embeddings=False)
+    extra = {"gemma": dict(head_dim=16), "mistral": dict(sliding_window=24), "qwen2": {}, "llama": {}, "phi3": {}}[arch]
+    return AutoConfig.for_model(arch, **common, **extra)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smollm2_tokenizer):
+    """Factory: a saved tiny random-weight model of an architecture, with SmolLM2's tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    made = {}
+
+    def make(arch: str):
+        if arch not in made:
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+            d = tmp_path_factory.mktemp(f"tiny-{arch}")
+            model.save_pretrained(d)
+            smollm2_tokenizer.save_pretrained(d)
+            made[arch] = d
+        return made[arch]
+
+    return make
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int):
+    """transformers' own generate(): the tokens and the log-softmax of each step's logits."""
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                         return_dict_in_generate=True, output_logits=True, pad_token_id=model.config.eos_token_id)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    logprobs = [torch.log_softmax(l[0].float(), -1) for l in out.logits]
+    return tokens, logprobs
+
+
+def assert_greedy_equal(ours, ours_logprobs, ref, ref_logprobs, tol: float = 1e-3):
+    """Token for token; a difference is allowed only at a near-tie (both engines' logprobs of the
+    two tokens within `tol`), after which the continuations are no longer comparable."""
+    for t, (a, b) in enumerate(zip(ref, ours)):
+        if a == b:
+            continue
+        ref_gap = abs(ref_logprobs[t][a].item() - ref_logprobs[t][b].item())
+        step = ours_logprobs[t]
+        assert a in step and b in step, f"step {t}: HF token {a} not among our top logprobs {list(step)}"
+        our_gap = abs(step[a].logprob - step[b].logprob)
+        assert ref_gap < tol and our_gap < tol, (
+            f"step {t}: HF chose {a}, we chose {b}; gaps HF {ref_gap:.2e}, ours {our_gap:.2e} (not a near-tie)")
+        return t
+    assert len(ours) == len(ref), f"lengths differ: ours {len(ours)}, HF {len(ref)}"
+    return None

@@ -1,0 +1,488 @@
+"""Sampler tests: every mask and penalty against a slow, obviously-correct per-row reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+import pagedcore.sampler as sampler_mod
+from pagedcore.sampler import (
+    Sampler,
+    SamplingBatch,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k,
+    apply_top_p,
+    make_generator,
+    token_counts,
+)
+from pagedcore.sampling_params import SamplingParams
+
+NEG_INF = float("-inf")
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def random_logits(seed: int, B: int, V: int, scale: float = 3.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, V, generator=g) * scale
+
+
+def build(params, vocab_size, prompts=None, outputs=None, generators=None, eos=(0,)):
+    B = len(params)
+    return SamplingBatch.build(
+        params,
+        prompts if prompts is not None else [[] for _ in range(B)],
+        outputs if outputs is not None else [[] for _ in range(B)],
+        generators if generators is not None else [None] * B,
+        list(eos),
+        vocab_size,
+        "cpu",
+    )
+
+
+def kept(masked: torch.Tensor) -> list[list[bool]]:
+    return (masked != NEG_INF).tolist()
+
+
+# --------------------------------------------------------------------------- references
+
+
+def ref_top_k(row: list[float], k: int) -> list[bool]:
+    if k <= 0 or k >= len(row):
+        return [True] * len(row)
+    kth = sorted(row, reverse=True)[k - 1]
+    return [x >= kth for x in row]
+
+
+def softmax64(row: list[float]) -> list[float]:
+    finite = [x for x in row if x != NEG_INF]
+    m = max(finite)
+    e = [math.exp(x - m) if x != NEG_INF else 0.0 for x in row]
+    s = sum(e)
+    return [x / s for x in e]
+
+
+def ref_top_p(row: list[float], p: float) -> tuple[list[bool], float]:
+    """Keep-mask, and the distance of p from the nearest prefix mass (for `assume`)."""
+    if p >= 1.0:
+        return [True] * len(row), 1.0
+    probs = softmax64(row)
+    order = sorted(range(len(row)), key=lambda i: -row[i])
+    keep = [False] * len(row)
+    mass, margin = 0.0, 1.0
+    for rank, i in enumerate(order):
+        if rank > 0:
+            margin = min(margin, abs(mass - p))
+        if rank == 0 or mass < p:
+            keep[i] = True
+        mass += probs[i]
+    return keep, margin
+
+
+def ref_min_p(row: list[float], min_p: float) -> tuple[list[bool], float]:
+    probs = softmax64(row)
+    threshold = min_p * max(probs)
+    keep = [q >= threshold for q in probs]
+    margin = min((abs(q - threshold) / max(threshold, 1e-30) for q in probs if q != max(probs)), default=1.0)
+    return keep, margin
+
+
+def ref_penalties(logits, prompts, outputs, presence, frequency, repetition):
+    rows = logits.tolist()
+    for i, row in enumerate(rows):
+        for tok in set(prompts[i]) | set(outputs[i]):
+            row[tok] = row[tok] / repetition[i] if row[tok] > 0 else row[tok] * repetition[i]
+        for tok in set(outputs[i]):
+            row[tok] -= frequency[i] * outputs[i].count(tok) + presence[i]
+    return torch.tensor(rows)
+
+
+# --------------------------------------------------------------------------- masks
+
+
+@FAST
+@given(
+    data=st.data(),
+    B=st.integers(1, 6),
+    V=st.integers(1, 64),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_top_k_matches_reference(data, B, V, seed):
+    logits = random_logits(seed, B, V)
+    ks = data.draw(st.lists(st.sampled_from([0, 1, 2, V // 2, V - 1, V, V + 3]) | st.integers(0, V), min_size=B, max_size=B))
+    out = apply_top_k(logits, torch.tensor(ks))
+    rows = logits.tolist()
+    assert kept(out) == [ref_top_k(r, k) for r, k in zip(rows, ks)]
+    # Survivors keep their value exactly.
+    assert torch.equal(out[out != NEG_INF], logits[out != NEG_INF])
+
+
+def test_top_k_keeps_ties_and_exact_count():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0, 0.0], [5.0, 4.0, 3.0, 2.0, 1.0]])
+    out = apply_top_k(logits, torch.tensor([2, 3]))
+    assert kept(out) == [[False, True, True, False, False], [True, True, True, False, False]]
+    out = apply_top_k(logits, torch.tensor([1, 0]))
+    assert kept(out) == [[False, True, True, False, False], [True] * 5]
+
+
+@FAST
+@given(
+    data=st.data(),
+    B=st.integers(1, 6),
+    V=st.integers(1, 64),
+    seed=st.integers(0, 2**31 - 1),
+    scale=st.sampled_from([0.1, 1.0, 3.0, 10.0]),
+)
+def test_top_p_matches_reference(data, B, V, seed, scale):
+    logits = random_logits(seed, B, V, scale)
+    p_values = st.sampled_from([1.0, 1e-6, 0.5, 0.9, 0.99]) | st.floats(1e-4, 1.0)
+    ps = data.draw(st.lists(p_values, min_size=B, max_size=B))
+    refs = [ref_top_p(r, p) for r, p in zip(logits.tolist(), ps)]
+    # A p within float32 rounding of a prefix mass is a coin flip for any implementation.
+    assume(all(margin > 1e-5 for _, margin in refs))
+    out = apply_top_p(logits, torch.tensor(ps, dtype=torch.float32))
+    assert kept(out) == [keep for keep, _ in refs]
+    assert torch.equal(out[out != NEG_INF], logits[out != NEG_INF])
+
+
+def test_top_p_edges():
+    logits = random_logits(1, 4, 50, 0.01)  # nearly uniform: cumsum reaches ~1 - eps
+    out = apply_top_p(logits, torch.tensor([1.0, 1e-9, 1.0, 1e-9]))
+    assert kept(out)[0] == [True] * 50 and kept(out)[2] == [True] * 50
+    for row in (1, 3):
+        assert kept(out)[row] == [i == int(logits[row].argmax()) for i in range(50)]
+    # Composes with an earlier mask: -inf entries stay dropped, the rest renormalise.
+    pre = apply_top_k(logits, torch.tensor([3, 3, 3, 3]))
+    out = apply_top_p(pre, torch.tensor([0.999, 0.999, 1.0, 0.5]))
+    assert ((out != NEG_INF).sum(-1) <= 3).all()
+    # Exactly representable masses: the prefix that *reaches* p is kept, nothing more.
+    flat = torch.zeros(3, 4)  # probs 0.25 each, cumsum 0.25, 0.5, 0.75, 1.0 exactly
+    out = apply_top_p(flat, torch.tensor([0.5, 0.25, 0.75]))
+    assert (out != NEG_INF).sum(-1).tolist() == [2, 1, 3]
+
+
+@FAST
+@given(
+    data=st.data(),
+    B=st.integers(1, 6),
+    V=st.integers(1, 64),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_min_p_matches_reference(data, B, V, seed):
+    logits = random_logits(seed, B, V)
+    mins = data.draw(st.lists(st.sampled_from([0.0, 1.0, 0.05, 0.5]) | st.floats(0.0, 1.0), min_size=B, max_size=B))
+    refs = [ref_min_p(r, m) for r, m in zip(logits.tolist(), mins)]
+    assume(all(margin > 1e-4 for _, margin in refs))
+    out = apply_min_p(logits, torch.tensor(mins, dtype=torch.float32))
+    assert kept(out) == [keep for keep, _ in refs]
+    for row, m in enumerate(mins):
+        if m == 0.0:
+            assert kept(out)[row] == [True] * V
+        if m == 1.0:
+            assert kept(out)[row] == [i == int(logits[row].argmax()) for i in range(V)]
+
+
+# --------------------------------------------------------------------------- penalties
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    data=st.data(),
+    B=st.integers(1, 5),
+    V=st.integers(2, 40),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_penalties_match_reference(data, B, V, seed):
+    logits = random_logits(seed, B, V)
+    ids = st.lists(st.integers(0, V - 1), max_size=12)
+    prompts = data.draw(st.lists(ids, min_size=B, max_size=B))
+    outputs = data.draw(st.lists(ids, min_size=B, max_size=B))
+    pen = st.sampled_from([0.0, -2.0, 2.0, 0.5]) | st.floats(-2.0, 2.0)
+    presence = data.draw(st.lists(pen, min_size=B, max_size=B))
+    frequency = data.draw(st.lists(pen, min_size=B, max_size=B))
+    repetition = data.draw(st.lists(st.sampled_from([1.0, 1.3, 0.7]) | st.floats(0.1, 3.0), min_size=B, max_size=B))
+    params = [
+        SamplingParams(temperature=0.0, presence_penalty=pr, frequency_penalty=fr, repetition_penalty=rp)
+        for pr, fr, rp in zip(presence, frequency, repetition)
+    ]
+    batch = build(params, V, prompts, outputs)
+    out = apply_penalties(
+        logits,
+        batch.prompt_token_ids,
+        batch.output_token_ids,
+        batch.presence_penalties,
+        batch.frequency_penalties,
+        batch.repetition_penalties,
+    )
+    ref = ref_penalties(logits, prompts, outputs, presence, frequency, repetition)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # Greedy on penalised logits is exactly their argmax.
+    got = Sampler()(logits, batch).sampled_token_ids
+    assert torch.equal(got, out.argmax(-1))
+
+
+def test_penalty_semantics_by_hand():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    # Repetition (HF): seen positive logit divided, seen negative multiplied; prompt counts.
+    out = apply_penalties(logits, torch.tensor([[0, 4]]), torch.tensor([[1, 4]]), None, None, torch.tensor([2.0]))
+    assert out.tolist() == [[1.0, -4.0, 1.0, 0.5]]
+    # Presence/frequency (OpenAI): output only, 2 occurrences of token 2, prompt ignored.
+    out = apply_penalties(
+        logits, None, torch.tensor([[2, 2, 4]]), torch.tensor([0.5]), torch.tensor([0.25]), None
+    )
+    assert out.tolist() == [[2.0, -2.0, 1.0 - 0.5 - 0.5, 0.5]]
+    assert token_counts(torch.tensor([[2, 2, 4, 1]]), 4).tolist() == [[0, 1, 2, 0]]
+
+
+def test_build_skips_unused_tensors():
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)]
+    batch = build(params, 10, prompts=[[1, 2], [3]], outputs=[[4], []])
+    assert batch.no_penalties and batch.prompt_token_ids is None and batch.output_token_ids is None
+    assert batch.no_top_k and batch.no_top_p and batch.no_min_p
+    assert batch.top_k is None and batch.top_p is None and batch.min_p is None
+    assert batch.min_tokens_block is None and batch.max_num_logprobs is None
+    assert not batch.all_greedy and not batch.all_random and batch.needs_default_rng
+
+    # Only presence/frequency: no prompt ids needed.
+    batch = build([SamplingParams(presence_penalty=0.5)], 10, prompts=[[1]], outputs=[[2]])
+    assert batch.prompt_token_ids is None and batch.output_token_ids is not None
+    assert batch.repetition_penalties is None
+
+    # Truncation on a greedy row alone does not switch on the truncation passes.
+    batch = build([SamplingParams(temperature=0.0, top_k=3, top_p=0.5, min_p=0.2)], 10)
+    assert batch.all_greedy and batch.temperature is None and batch.no_top_k and batch.no_top_p
+    # top_k >= V is a no-op.
+    assert build([SamplingParams(top_k=10)], 10).no_top_k
+    assert build([SamplingParams(logprobs=0), SamplingParams(logprobs=5), SamplingParams()], 10).max_num_logprobs == 5
+    assert build([SamplingParams(logprobs=20)], 4).max_num_logprobs == 4  # clamped to the vocabulary
+
+
+# --------------------------------------------------------------------------- greedy, min_tokens
+
+
+def test_greedy_equals_argmax_and_all_greedy_skips_random_work(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("all-greedy batch ran random-sampling work")
+
+    for name in ("apply_top_k", "apply_top_p", "apply_min_p", "exponential_race"):
+        monkeypatch.setattr(sampler_mod, name, boom)
+    monkeypatch.setattr(Sampler, "sample_random", staticmethod(boom))
+    logits = random_logits(0, 7, 100)
+    params = [SamplingParams(temperature=0.0, top_k=5, top_p=0.5, min_p=0.1, ignore_eos=i % 2 == 0) for i in range(7)]
+    out = Sampler()(logits, build(params, 100))
+    assert torch.equal(out.sampled_token_ids, torch.argmax(logits, dim=-1))
+    assert out.topk_logprobs is None and out.topk_token_ids is None
+
+
+def test_greedy_rows_in_mixed_batch_are_argmax():
+    logits = random_logits(3, 6, 30)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.5, top_k=4) for i in range(6)]
+    out = Sampler()(logits, build(params, 30))
+    assert torch.equal(out.sampled_token_ids[1::2], logits[1::2].argmax(-1))
+
+
+def test_greedy_accepts_low_precision_logits():
+    logits = random_logits(5, 4, 64).to(torch.bfloat16)
+    out = Sampler()(logits, build([SamplingParams(temperature=0.0, logprobs=3)] * 4, 64))
+    assert torch.equal(out.sampled_token_ids, logits.float().argmax(-1))
+    assert out.sampled_logprobs.dtype == torch.float32 and out.topk_logprobs.dtype == torch.float32
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_blocks_eos_and_stop_ids(temperature):
+    V, eos, stop = 20, 7, 11
+    logits = torch.zeros(4, V)
+    logits[:, eos] = 50.0  # overwhelmingly likely
+    logits[:, stop] = 30.0
+    logits[:, 3] = 20.0  # next best once EOS and the stop id are masked
+    p = SamplingParams(temperature=temperature, min_tokens=3, stop_token_ids=[stop], seed=1)
+    outputs = [[], [1], [1, 2], [1, 2, 3]]
+    sampler = Sampler()
+    for _ in range(20 if temperature else 1):
+        got = sampler(logits, build([p] * 4, V, outputs=outputs, eos=[eos])).sampled_token_ids.tolist()
+        assert got[:3] == [3, 3, 3]  # under min_tokens: neither EOS nor the stop id
+        assert got[3] == eos  # reached: EOS allowed again
+    # min_tokens masks regardless of ignore_eos; otherwise ignore_eos leaves greedy alone.
+    one = logits[:1]
+    p2 = SamplingParams(temperature=0.0, min_tokens=1, ignore_eos=True)
+    assert sampler(one, build([p2], V, eos=[eos])).sampled_token_ids.tolist() == [stop]  # p2 has no stop ids
+    p3 = SamplingParams(temperature=0.0, ignore_eos=True)
+    assert sampler(one, build([p3], V, eos=[eos])).sampled_token_ids.tolist() == [eos]
+    # Logprobs stay those of the raw distribution even for masked tokens.
+    out = sampler(one, build([SamplingParams(temperature=0.0, min_tokens=2, logprobs=1)], V, eos=[eos]))
+    assert out.topk_token_ids.tolist() == [[eos]]
+
+
+# --------------------------------------------------------------------------- seeded sampling
+
+
+def _run_steps(seed: int, row: int, batch_size: int, steps: int = 20) -> list[int]:
+    """Generate `steps` tokens for the seeded request at `row`; other rows are a mix."""
+    V = 50
+    target = SamplingParams(seed=seed, temperature=0.8, top_p=0.9)
+    others = [
+        SamplingParams(seed=1234, temperature=1.0, top_k=5),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.3, min_p=0.05),
+        SamplingParams(seed=99, temperature=0.5, frequency_penalty=0.5),
+        SamplingParams(temperature=0.9, presence_penalty=1.0, logprobs=2),
+        SamplingParams(temperature=0.0, seed=5),  # greedy with a seed: generator must not move
+        SamplingParams(temperature=1.0),
+    ]
+    params = [others[(i + row) % len(others)] for i in range(batch_size)]
+    params[row] = target
+    gens = [make_generator(p.seed) if p.seed is not None else None for p in params]
+    outputs: list[list[int]] = [[] for _ in range(batch_size)]
+    prompts = [[1, 2, 3]] * batch_size
+    table = torch.randn(steps, V, generator=torch.Generator().manual_seed(42)) * 2
+    sampler = Sampler()
+    for t in range(steps):
+        logits = torch.randn(batch_size, V) * 2  # whatever the other rows see
+        logits[row] = table[t]
+        batch = SamplingBatch.build(params, prompts, outputs, gens, [0], V, "cpu")
+        tokens = sampler(logits, batch).sampled_token_ids.tolist()
+        for i, tok in enumerate(tokens):
+            outputs[i].append(tok)
+    return outputs[row]
+
+
+def test_seeded_sampling_is_independent_of_batch_composition():
+    torch.manual_seed(0)
+    alone = _run_steps(seed=7, row=0, batch_size=1)
+    torch.manual_seed(1)
+    first_of_five = _run_steps(seed=7, row=0, batch_size=5)
+    torch.manual_seed(2)
+    fourth_of_eight = _run_steps(seed=7, row=3, batch_size=8)
+    assert alone == first_of_five == fourth_of_eight
+    assert len(set(alone)) > 3  # it really sampled
+    assert _run_steps(seed=8, row=0, batch_size=1) != alone
+
+
+def test_greedy_row_does_not_advance_its_generator():
+    g_greedy, g_random = make_generator(3), make_generator(3)
+    before = g_greedy.get_state().clone()
+    params = [SamplingParams(temperature=0.0, seed=3), SamplingParams(temperature=1.0, seed=3)]
+    Sampler()(random_logits(0, 2, 16), build(params, 16, generators=[g_greedy, g_random]))
+    assert torch.equal(g_greedy.get_state(), before)
+    assert not torch.equal(g_random.get_state(), before)
+
+
+# --------------------------------------------------------------------------- distribution
+
+
+def _chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+    n = tokens.numel()
+    observed = torch.bincount(tokens, minlength=probs.numel()).double()
+    expected = probs.double() * n
+    nz = expected > 0
+    assert (observed[~nz] == 0).all(), "sampled a token with probability 0"
+    return float(((observed[nz] - expected[nz]) ** 2 / expected[nz]).sum())
+
+
+# chi-square critical values at p = 0.001 by degrees of freedom.
+_CHI2_999 = {1: 10.83, 3: 16.27, 5: 20.52}
+
+
+def test_unseeded_sampling_matches_softmax():
+    torch.manual_seed(123)
+    V, N = 6, 20000
+    logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, 2.0, -1.0]]).expand(N, V)
+    out = Sampler()(logits, build([SamplingParams(temperature=1.0)] * N, V))
+    assert _chi_square(out.sampled_token_ids, logits[0].softmax(-1)) < _CHI2_999[5]
+
+
+def test_seeded_rows_sampling_matches_softmax():
+    V, N = 4, 4000
+    logits = torch.tensor([[0.3, -0.2, 1.0, 0.0]]).expand(N, V)
+    gens = [make_generator(s) for s in range(N)]
+    out = Sampler()(logits, build([SamplingParams(temperature=1.0, seed=0)] * N, V, generators=gens))
+    assert _chi_square(out.sampled_token_ids, logits[0].softmax(-1)) < _CHI2_999[3]
+
+
+def test_temperature_and_top_k_distribution():
+    torch.manual_seed(321)
+    V, N = 6, 20000
+    logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, 2.0, -1.0]]).expand(N, V)
+    out = Sampler()(logits, build([SamplingParams(temperature=2.0, top_k=2)] * N, V))
+    expected = torch.zeros(V)
+    expected[[4, 0]] = (logits[0, [4, 0]] / 2.0).softmax(-1)
+    assert _chi_square(out.sampled_token_ids, expected) < _CHI2_999[1]
+
+
+# --------------------------------------------------------------------------- logprobs, finiteness
+
+
+def test_logprobs_are_raw_and_sorted():
+    V = 40
+    logits = random_logits(9, 5, V)
+    params = [
+        SamplingParams(temperature=0.7, top_k=3, repetition_penalty=1.5, logprobs=4),
+        SamplingParams(temperature=0.0, logprobs=0),
+        SamplingParams(temperature=1.0, top_p=0.5),
+        SamplingParams(temperature=0.0, presence_penalty=2.0),
+        SamplingParams(temperature=1.2, min_p=0.3, logprobs=2),
+    ]
+    out = Sampler()(logits, build(params, V, prompts=[[1, 2]] * 5, outputs=[[3]] * 5))
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    assert out.topk_logprobs.shape == (5, 4) and out.topk_token_ids.shape == (5, 4)
+    torch.testing.assert_close(out.sampled_logprobs, raw.gather(1, out.sampled_token_ids[:, None]).squeeze(1))
+    ref = torch.topk(raw, 4, dim=-1)
+    torch.testing.assert_close(out.topk_logprobs, ref.values)
+    assert torch.equal(out.topk_token_ids, ref.indices)
+    assert (out.topk_logprobs[:, :-1] >= out.topk_logprobs[:, 1:]).all()
+
+
+def test_sampled_logprobs_without_logprobs_requested():
+    logits = random_logits(10, 6, 33) * 5
+    params = [SamplingParams(temperature=t, top_k=k) for t, k in [(0, 0), (1, 3), (0.5, 0)] * 2]
+    out = Sampler()(logits, build(params, 33))
+    assert out.topk_logprobs is None
+    raw = torch.log_softmax(logits, dim=-1)
+    torch.testing.assert_close(out.sampled_logprobs, raw.gather(1, out.sampled_token_ids[:, None]).squeeze(1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    data=st.data(),
+    B=st.integers(1, 6),
+    V=st.integers(2, 48),
+    seed=st.integers(0, 2**31 - 1),
+    scale=st.sampled_from([0.0, 1e-3, 1.0, 30.0, 1e3]),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+)
+def test_outputs_finite_and_in_range(data, B, V, seed, scale, dtype):
+    logits = (random_logits(seed, B, V) * scale).to(dtype)
+    param = st.builds(
+        SamplingParams,
+        temperature=st.sampled_from([0.0, 1e-5, 0.3, 1.0, 2.0]),
+        top_k=st.integers(0, V + 2),
+        top_p=st.sampled_from([1.0, 0.9, 0.3, 1e-6]),
+        min_p=st.sampled_from([0.0, 0.1, 1.0]),
+        repetition_penalty=st.sampled_from([1.0, 1.2, 0.8]),
+        presence_penalty=st.sampled_from([0.0, 2.0, -2.0]),
+        frequency_penalty=st.sampled_from([0.0, 1.0]),
+        seed=st.none() | st.integers(0, 100),
+        min_tokens=st.integers(0, 3),
+        stop_token_ids=st.lists(st.integers(0, V - 1), max_size=2),
+        logprobs=st.none() | st.integers(0, 5),
+    )
+    params = data.draw(st.lists(param, min_size=B, max_size=B))
+    ids = st.lists(st.integers(0, V - 1), max_size=6)
+    prompts = data.draw(st.lists(ids, min_size=B, max_size=B))
+    outputs = data.draw(st.lists(ids, min_size=B, max_size=B))
+    gens = [make_generator(p.seed) if p.seed is not None else None for p in params]
+    batch = SamplingBatch.build(params, prompts, outputs, gens, [V - 1], V, "cpu")
+    out = Sampler()(logits, batch)
+    tokens = out.sampled_token_ids
+    assert tokens.dtype == torch.long and tokens.shape == (B,)
+    assert ((tokens >= 0) & (tokens < V)).all()
+    assert torch.isfinite(out.sampled_logprobs).all()
+    for i, p in enumerate(params):  # min_tokens held even under extreme logits
+        if len(outputs[i]) < p.min_tokens:
+            assert int(tokens[i]) not in {V - 1, *p.stop_token_ids} or {V - 1, *p.stop_token_ids} >= set(range(V))
+    if batch.max_num_logprobs is not None:
+        assert torch.isfinite(out.topk_logprobs).all()
