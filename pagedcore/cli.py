@@ -82,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_args(g)
     g.set_defaults(func=cmd_generate)
 
+    from pagedcore import benchmark
+
+    benchmark.add_parser(sub)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:

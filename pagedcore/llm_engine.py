@@ -167,6 +167,7 @@ class LLMEngine:
         self.pm.hook.pagedcore_step_end(stats=self.stats(sched.num_tokens, len(sampled), time.perf_counter() - t0))
         return outputs
 
+    @torch.inference_mode()  # logits are inference tensors; processors may edit them in place
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         for proc in self.logits_processors:
             logits = proc(logits, seqs)
