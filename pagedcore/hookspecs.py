@@ -58,7 +58,9 @@ def pagedcore_scheduling_policy(name):
 @hookspec
 def pagedcore_request_event(event, request_id, seq_index, info):
     """A request changed state. `event` is one of "added", "scheduled", "preempted", "finished",
-    "aborted", "rejected"; `info` a dict of details (e.g. finish_reason, num_preemptions)."""
+    "aborted", "rejected"; `info` a dict of details (e.g. finish_reason, num_preemptions).
+    "rejected" (invalid input: `request_id` None, `info` has "field" and "error") may come from
+    the caller's thread rather than the engine's."""
 
 
 @hookspec

@@ -86,6 +86,13 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
     def process_prompt(self, prompt: str | list[int], params: SamplingParams | dict | None) -> ProcessedPrompt:
         """Validate and tokenize; pure (touches no engine state), so callers may run it anywhere."""
+        try:
+            return self._process_prompt(prompt, params)
+        except InvalidRequestError as e:
+            self._event("rejected", None, None, {"field": e.field, "error": str(e)})
+            raise
+
+    def _process_prompt(self, prompt, params) -> ProcessedPrompt:
         params = self._check_params(params)
         if isinstance(prompt, str):
             if not prompt:

@@ -384,3 +384,22 @@ def test_unknown_scheduling_policy(model_dir):
     with pytest.raises(ValueError, match="unknown scheduling policy 'nope'"):
         make_llm(model_dir, plugins=[plugin], scheduling_policy="nope")
     assert plugin.policy_calls == ["nope"]
+
+
+def test_rejected_event_names_the_field(tiny_model_dir):
+    from pagedcore import LLM, InvalidRequestError, SamplingParams, hookimpl
+
+    class Recorder:
+        def __init__(self):
+            self.events = []
+
+        @hookimpl
+        def pagedcore_request_event(self, event, request_id, seq_index, info):
+            self.events.append((event, info))
+
+    rec = Recorder()
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, block_size=8, plugins=[rec])
+    with pytest.raises(InvalidRequestError):
+        llm.generate([[5, 6, 7]], {"top_p": 1.5})
+    assert rec.events == [("rejected", {"field": "top_p", "error": rec.events[0][1]["error"]})]
+    assert "top_p" in rec.events[0][1]["error"]
