@@ -31,8 +31,13 @@ class _Stream:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
 
-    def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, item) -> bool:
+        """False when the caller's event loop is closed: nobody will ever read this stream."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # "Event loop is closed": must not kill the engine thread
+            return False
+        return True
 
 
 class AsyncLLMEngine:
@@ -114,8 +119,25 @@ class AsyncLLMEngine:
                 stream = self._streams.get(out.request_id)
                 if out.finished:
                     self._streams.pop(out.request_id, None)
-                if stream is not None:
-                    stream.put(out)
+                if stream is not None and not stream.put(out) and not out.finished:
+                    self._streams.pop(out.request_id, None)
+                    self.engine.abort_request(out.request_id)
+        self._close_streams()
+
+    def _close_streams(self) -> None:
+        """After shutdown: end every open stream with EngineDeadError (a caller mid-stream must
+        not wait forever), free what their requests hold, and release wait_idle() callers."""
+        try:
+            while True:
+                cmd = self._commands.get_nowait()
+                if cmd[0] == "barrier":
+                    cmd[1].set()
+        except queue.Empty:
+            pass
+        streams, self._streams = self._streams, {}
+        self.engine.abort_request(list(self.engine.requests))
+        for stream in streams.values():
+            stream.put(EngineDeadError("the engine is shut down"))
 
     def _apply_commands(self, block: bool) -> None:
         cmds = []

@@ -21,6 +21,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # defaults to the model's context length
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "auto"  # "auto" (swap long contexts, recompute short) | "swap" | "recompute"
+    swap_space: int = 1 << 28  # bytes of CPU memory for swapped-out blocks
+    num_cpu_blocks: int | None = None  # overrides swap_space
+    swap_min_tokens: int = 256  # "auto" swaps a victim with at least this many computed tokens
     attention_backend: str | None = None  # None: picked from the device through the hook
     scheduling_policy: str = "fcfs"
     seed: int = 0
@@ -31,6 +36,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
         if not 0 < self.kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
 

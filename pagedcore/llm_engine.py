@@ -65,7 +65,9 @@ class LLMEngine:
         if backend is None:
             raise ValueError(f"no attention backend {self.config.attention_backend!r} for {self.device}")
         self.runner = ModelRunner(self.config, self.model, backend, self.device, self.model.dtype)
-        self.kv = KVCacheManager(self.runner.num_blocks, self.config.block_size)
+        self.kv = KVCacheManager(self.runner.num_blocks, self.config.block_size,
+                                 enable_prefix_caching=self.config.enable_prefix_caching,
+                                 num_cpu_blocks=self.runner.num_cpu_blocks)
         policy = hook.pagedcore_scheduling_policy(name=self.config.scheduling_policy)
         if policy is None:
             raise ValueError(f"unknown scheduling policy {self.config.scheduling_policy!r}")
@@ -111,7 +113,10 @@ class LLMEngine:
         if len(ids) >= limit:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens, but at most {limit - 1} fit (max_model_len {self.max_model_len}, "
-                f"KV cache {self.kv.num_blocks * self.config.block_size} tokens) leaving room for one new token",
+                f"KV cache {self.kv.num_blocks * self.config.block_size} tokens"
+                + ("" if self.config.enable_chunked_prefill else
+                   f", max_num_batched_tokens {self.config.max_num_batched_tokens} without chunked prefill")
+                + ") leaving room for one new token",
                 "prompt")
         return ProcessedPrompt(text, ids, params)
 
@@ -134,7 +139,9 @@ class LLMEngine:
                 self.tokenizer, p.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
             state.seqs.append(seq)
-            self.scheduler.add(seq)
+        # Only the first sample prefills; the others fork its blocks when its prompt is done.
+        self.scheduler.add(state.seqs[0])
+        state.pending_forks = state.seqs[1:]
         self.requests[request_id] = state
         self._event("added", request_id, None, {"num_prompt_tokens": len(p.prompt_token_ids)})
         return request_id
@@ -156,7 +163,11 @@ class LLMEngine:
         return len(self.requests)
 
     def max_token_capacity(self) -> int:
-        return min(self.max_model_len, self.kv.num_blocks * self.config.block_size)
+        cap = min(self.max_model_len, self.kv.num_blocks * self.config.block_size)
+        if not self.config.enable_chunked_prefill:
+            # A (re)prefill must fit one step's budget, or the sequence would wait forever.
+            cap = min(cap, self.config.max_num_batched_tokens)
+        return cap
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -167,12 +178,31 @@ class LLMEngine:
         rows, logits = self.runner.execute(sched)
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
+            self.kv.cache_full_blocks(seq)
         sampled = [sched.scheduled[i][0] for i in rows]
+        sampled, logits = self._fork_samples(sampled, logits)
         if sampled:
             self._sample_and_append(sampled, logits)
         outputs = self._collect_outputs(sampled)
         self.pm.hook.pagedcore_step_end(stats=self.stats(sched.num_tokens, len(sampled), time.perf_counter() - t0))
         return outputs
+
+    def _fork_samples(self, sampled: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+        """When a request's prompt is done, its other samples fork the prompt's blocks (ref counts;
+        only the shared partial block is copied, on write) and sample from the same logits."""
+        forks = []
+        for row, seq in enumerate(sampled):
+            state = self.requests[seq.request_id]
+            if state.pending_forks and seq.num_output_tokens == 0:
+                for child in state.pending_forks:
+                    self.kv.fork(seq, child)
+                    self.scheduler.add_running(child)
+                    forks.append((row, child))
+                state.pending_forks = []
+        if not forks:
+            return sampled, logits
+        rows = list(range(len(sampled))) + [row for row, _ in forks]
+        return sampled + [child for _, child in forks], logits[torch.tensor(rows, device=logits.device)]
 
     @torch.inference_mode()  # logits are inference tensors; processors may edit them in place
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
@@ -198,8 +228,19 @@ class LLMEngine:
     def _check_stop(self, seq: Sequence) -> None:
         p = seq.params
         token = seq.token_ids[-1]
-        stop_str = seq.detokenizer.update([token])
         can_stop = seq.num_output_tokens >= p.min_tokens
+        det = seq.detokenizer
+        if can_stop:
+            stop_str = det.update([token])
+        else:
+            # As in vLLM, stop strings count only once min_tokens are out: a match now must not
+            # cut the text (the detokenizer would also ignore every later token). The stop list
+            # stays set for streaming, which withholds a tail that may still become one.
+            stop, det.stop = det.stop, []
+            try:
+                stop_str = det.update([token])
+            finally:
+                det.stop = stop
         status = None
         if stop_str is not None and can_stop:
             status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop_str
@@ -260,12 +301,15 @@ class LLMEngine:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def _on_scheduler_event(self, kind: str, seq: Sequence) -> None:
+    def _on_scheduler_event(self, kind: str, seq: Sequence, mode: str | None = None) -> None:
         if kind == "scheduled":
             state = self.requests.get(seq.request_id)
             if state is not None and state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = time.monotonic()
-        self._event(kind, seq.request_id, seq.index, {"num_preemptions": seq.num_preemptions})
+        info = {"num_preemptions": seq.num_preemptions}
+        if mode is not None:
+            info["mode"] = mode
+        self._event(kind, seq.request_id, seq.index, info)
 
     def _event(self, event: str, request_id: str, seq_index: int | None, info: dict) -> None:
         self.pm.hook.pagedcore_request_event(event=event, request_id=request_id, seq_index=seq_index, info=info)

@@ -66,6 +66,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate_kv_cache()
+        self.num_cpu_blocks = self._num_cpu_blocks()
+        self.cpu_kv_caches = self._allocate_kv_cache(self.num_cpu_blocks, torch.device("cpu"))
         hf_glue.install(model)
 
     def bytes_per_block(self) -> int:
@@ -81,19 +83,34 @@ class ModelRunner:
             budget = int(available_memory(self.device) * self.config.kv_cache_fraction)
         return budget // self.bytes_per_block()
 
-    def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _num_cpu_blocks(self) -> int:
+        if self.config.num_cpu_blocks is not None:
+            return self.config.num_cpu_blocks
+        return self.config.swap_space // self.bytes_per_block()
+
+    def _allocate_kv_cache(self, num_blocks: int | None = None, device: torch.device | None = None):
         s = self.shape
-        if self.num_blocks < 1:
+        main = num_blocks is None
+        num_blocks = self.num_blocks if main else num_blocks
+        if main and num_blocks < 1:
             raise ValueError(f"KV cache budget too small for one block of {self.bytes_per_block()} bytes")
-        shape = (self.num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
+        shape = (num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
+        device = device or self.device
         # Zeros, not empty: batched paths read (masked) slots past a sequence's end, and 0 * NaN
         # from uninitialised memory would poison the output.
-        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                   torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(s.num_layers)]
-        logger.info("KV cache: %d blocks = %d tokens (%.1f MiB, block_size %d)", self.num_blocks,
-                    self.num_blocks * self.block_size, self.num_blocks * self.bytes_per_block() / 2**20,
+        caches = [(torch.zeros(shape, dtype=self.dtype, device=device),
+                   torch.zeros(shape, dtype=self.dtype, device=device)) for _ in range(s.num_layers)]
+        logger.info("%s: %d blocks = %d tokens (%.1f MiB, block_size %d)", "KV cache" if main else "CPU swap space",
+                    num_blocks, num_blocks * self.block_size, num_blocks * self.bytes_per_block() / 2**20,
                     self.block_size)
         return caches
+
+    def swap(self, src_caches, dst_caches, mapping: list[tuple[int, int]]) -> None:
+        src = torch.tensor([a for a, _ in mapping])
+        dst = torch.tensor([b for _, b in mapping])
+        for (sk, sv), (dk, dv) in zip(src_caches, dst_caches):
+            dk[dst.to(dk.device)] = sk[src.to(sk.device)].to(dk.device)
+            dv[dst.to(dv.device)] = sv[src.to(sv.device)].to(dv.device)
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
         """Build input ids, positions, the attention metadata, and which rows' logits to keep."""
@@ -142,6 +159,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[int], torch.Tensor]:
         """Run one step; return the scheduled rows that sample and their logits [rows, vocab]."""
+        # Order matters: swap-outs read blocks that this step may hand to others.
+        if sched.blocks_to_swap_out:
+            self.swap(self.kv_caches, self.cpu_kv_caches, sched.blocks_to_swap_out)
+        if sched.blocks_to_swap_in:
+            self.swap(self.cpu_kv_caches, self.kv_caches, sched.blocks_to_swap_in)
         if sched.blocks_to_copy:
             src, dst = zip(*sched.blocks_to_copy)
             self.backend.copy_blocks(self.kv_caches, torch.tensor(src, device=self.device),

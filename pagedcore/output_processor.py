@@ -20,6 +20,7 @@ class RequestState:
     seqs: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
     num_sent_tokens: dict[int, int] = field(default_factory=dict)  # per seq index, for deltas
+    pending_forks: list[Sequence] = field(default_factory=list)  # samples not yet forked from seqs[0]
 
     @property
     def finished(self) -> bool:
@@ -48,7 +49,8 @@ class OutputProcessor:
             (s.first_token_time for s in state.seqs if s.first_token_time), default=None)
         if finished:
             m.finished_time = time.monotonic()
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished, m)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished, m,
+                             num_cached_tokens=state.seqs[0].num_cached_tokens)
 
     def _select(self, state: RequestState) -> list[Sequence]:
         """The n best of best_of by cumulative logprob (all of them when best_of is unset)."""

@@ -42,6 +42,11 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt + output, kept flat for slicing
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    cpu_block_table: list[int] = field(default_factory=list)  # while swapped out
+    block_hashes: list[int] = field(default_factory=list)  # of full blocks of token_ids, chained
+    num_published_blocks: int = 0  # full blocks already offered to the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    cache_salt: object = None  # anything besides token ids that changes the KV (e.g. an adapter id)
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] | None = None
     num_preemptions: int = 0
