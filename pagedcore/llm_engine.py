@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedcore.beam_search import BeamGroup
 from pagedcore.config import EngineConfig
 from pagedcore.detokenizer import IncrementalDetokenizer
 from pagedcore.kv_cache_manager import KVCacheManager
@@ -128,10 +129,11 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         params = p.params
-        if (params.best_of or params.n) > params.n:
+        if (params.best_of or params.n) > params.n or params.use_beam_search:
             output_kind = OutputKind.FINAL_ONLY  # the best n are known only at the end
         state = RequestState(request_id, p.prompt, p.prompt_token_ids, params, output_kind)
-        for i in range(params.best_of or params.n):
+        num_seqs = 1 if params.use_beam_search else params.best_of or params.n
+        for i in range(num_seqs):
             seq = Sequence(next(self._seq_counter), request_id, i, p.prompt_token_ids, params,
                            self.max_token_capacity(), arrival_time=state.metrics.arrival_time, priority=priority,
                            generator=self._generator(params, i))
@@ -142,6 +144,8 @@ class LLMEngine:
         # Only the first sample prefills; the others fork its blocks when its prompt is done.
         self.scheduler.add(state.seqs[0])
         state.pending_forks = state.seqs[1:]
+        if params.use_beam_search:
+            state.beam = self._beam_group(params, state.seqs[0])
         self.requests[request_id] = state
         self._event("added", request_id, None, {"num_prompt_tokens": len(p.prompt_token_ids)})
         return request_id
@@ -180,12 +184,60 @@ class LLMEngine:
             seq.num_computed_tokens += n
             self.kv.cache_full_blocks(seq)
         sampled = [sched.scheduled[i][0] for i in rows]
+        sampled, logits, beam_rows = self._split_beams(sampled, logits)
         sampled, logits = self._fork_samples(sampled, logits)
         if sampled:
             self._sample_and_append(sampled, logits)
-        outputs = self._collect_outputs(sampled)
+        beam_seqs = self._step_beams(beam_rows)
+        outputs = self._collect_outputs(sampled + beam_seqs)
         self.pm.hook.pagedcore_step_end(stats=self.stats(sched.num_tokens, len(sampled), time.perf_counter() - t0))
         return outputs
+
+    # ---- beam search ---------------------------------------------------------------------------
+    def _beam_group(self, params: SamplingParams, first: Sequence) -> BeamGroup:
+        max_tokens = first.max_total_tokens - first.num_prompt_tokens
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        eos = [] if params.ignore_eos else sorted(self.eos_token_ids) + list(params.stop_token_ids)
+        width = params.best_of or params.n
+        return BeamGroup(width, params.n, eos, max_tokens, params.length_penalty, params.early_stopping,
+                         beams=[first], scores=[0.0])
+
+    def _split_beams(self, sampled, logits):
+        """Beam-search sequences leave the sampler's batch; their logits go to their group."""
+        beam_rows = [(seq, i) for i, seq in enumerate(sampled) if self.requests[seq.request_id].beam is not None]
+        if not beam_rows:
+            return sampled, logits, []
+        keep = [i for i, seq in enumerate(sampled) if self.requests[seq.request_id].beam is None]
+        beams = [(seq, logits[i]) for seq, i in beam_rows]
+        return [sampled[i] for i in keep], logits[torch.tensor(keep, dtype=torch.long, device=logits.device)], beams
+
+    def _step_beams(self, beam_rows) -> list[Sequence]:
+        ready = []
+        for seq, row in beam_rows:
+            group = self.requests[seq.request_id].beam
+            if group.add_logits(seq, row) and group not in ready:
+                ready.append(group)
+        touched = []
+        for group in ready:
+            state = self.requests[group.beams[0].request_id]
+            group.step(fork=lambda parent, st=state: self._fork_beam(st, parent),
+                       drop=lambda seq: self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED))
+            self.total_generated_tokens += len(group.beams)
+            if group.done:
+                for seq in group.beams:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+            state.seqs = list(group.beams)
+            touched.append(group.beams[0])
+        return touched
+
+    def _fork_beam(self, state: RequestState, parent: Sequence) -> Sequence:
+        child = Sequence(next(self._seq_counter), parent.request_id, parent.index, parent.prompt_token_ids,
+                         parent.params, parent.max_total_tokens, arrival_time=parent.arrival_time,
+                         token_ids=list(parent.token_ids))
+        self.kv.fork(parent, child)
+        self.scheduler.add_running(child)
+        return child
 
     def _fork_samples(self, sampled: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
         """When a request's prompt is done, its other samples fork the prompt's blocks (ref counts;

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from pagedcore.beam_search import BeamGroup
 from pagedcore.outputs import CompletionOutput, Logprob, OutputKind, RequestMetrics, RequestOutput
 from pagedcore.sampling_params import SamplingParams
 from pagedcore.sequence import Sequence
@@ -21,9 +22,12 @@ class RequestState:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
     num_sent_tokens: dict[int, int] = field(default_factory=dict)  # per seq index, for deltas
     pending_forks: list[Sequence] = field(default_factory=list)  # samples not yet forked from seqs[0]
+    beam: BeamGroup | None = None  # set for beam search: its hypotheses are the outputs
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
         return all(s.is_finished for s in self.seqs)
 
 
@@ -41,9 +45,12 @@ class OutputProcessor:
         finished = state.finished
         if state.output_kind is OutputKind.FINAL_ONLY and not finished:
             return None
-        seqs = self._select(state) if finished else state.seqs
-        delta = state.output_kind is OutputKind.DELTA
-        completions = [self._completion(state, seq, i, delta) for i, seq in enumerate(seqs)]
+        if state.beam is not None:
+            completions = [self._beam_completion(state, h, i) for i, h in enumerate(state.beam.results())]
+        else:
+            seqs = self._select(state) if finished else state.seqs
+            delta = state.output_kind is OutputKind.DELTA
+            completions = [self._completion(state, seq, i, delta) for i, seq in enumerate(seqs)]
         m = state.metrics
         m.first_token_time = m.first_token_time or min(
             (s.first_token_time for s in state.seqs if s.first_token_time), default=None)
@@ -58,6 +65,12 @@ class OutputProcessor:
         if len(state.seqs) == n:
             return state.seqs
         return sorted(state.seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:n]
+
+    def _beam_completion(self, state: RequestState, h, index: int) -> CompletionOutput:
+        eos = state.beam.eos_token_ids
+        reason = "stop" if h.token_ids and h.token_ids[-1] in eos else "length"
+        text = self.tokenizer.decode(h.token_ids, skip_special_tokens=state.params.skip_special_tokens)
+        return CompletionOutput(index, text, list(h.token_ids), h.cumulative_logprob, None, reason, score=h.score)
 
     def _completion(self, state: RequestState, seq: Sequence, index: int, delta: bool) -> CompletionOutput:
         out_ids = seq.output_token_ids

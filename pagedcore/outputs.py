@@ -28,6 +28,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None  # one dict per token: sampled token + top-N
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    score: float | None = None  # beam search: sum of logprobs / length ** length_penalty
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -101,6 +101,9 @@ class SamplingParams:
         self._check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
                     "logprobs", "must be an integer in [0, 20]")
         self._check(isinstance(self.length_penalty, num), "length_penalty", "must be a number")
+        self._check(self.early_stopping in (True, False, "never"), "early_stopping", "must be true, false or 'never'")
+        if self.use_beam_search:
+            self._check(not self.stop, "stop", "is not supported with beam search")
 
     def validate_vocab(self, vocab_size: int) -> None:
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
