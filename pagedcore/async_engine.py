@@ -149,6 +149,8 @@ class AsyncLLMEngine:
             pass
         for cmd in cmds:
             self._apply(cmd)
+        if cmds:  # adds and aborts change the queues and the pool: keep stats() current
+            self._last_stats = self.engine.stats()
 
     def _apply(self, cmd: tuple) -> None:
         kind = cmd[0]

@@ -1,0 +1,266 @@
+"""BentoML front door: one AsyncLLMEngine behind an OpenAI-compatible API and a native stream.
+
+Serve (bundled SmolLM2 unless PAGEDCORE_MODEL says otherwise):
+
+    pagedcore serve-bentoml --host 127.0.0.1 --port 3000
+    # = bentoml serve pagedcore.adapters.bentoml_service:PagedCore --host 127.0.0.1 --port 3000
+
+Engine settings come from the environment: `PAGEDCORE_<FIELD>` for every EngineConfig field
+(PAGEDCORE_MODEL, PAGEDCORE_DTYPE, PAGEDCORE_NUM_KV_BLOCKS, PAGEDCORE_MAX_NUM_SEQS,
+PAGEDCORE_MAX_MODEL_LEN, PAGEDCORE_NUM_THREADS, ...); PAGEDCORE_SERVED_MODEL_NAME names the model
+in the API (default: "SmolLM2-135M-Instruct" for the bundled one, else the model path's name).
+
+Routes:
+  /v1/models, /v1/completions, /v1/chat/completions   OpenAI API (see adapters/openai_api.py)
+  /generate                                            native stream of text deltas (POST JSON)
+  /healthz /livez /readyz /metrics                     BentoML's own; /metrics adds pagedcore_* gauges
+
+One worker: the engine batches every request itself, so a second worker would only halve its memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import threading
+import types
+import typing
+from contextlib import aclosing
+from pathlib import Path
+from typing import AsyncGenerator
+
+import bentoml
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedcore.adapters.openai_api import OpenAIError, OpenAIServing
+from pagedcore.config import EngineConfig
+from pagedcore.sampling_params import InvalidRequestError, SamplingParams
+
+logger = logging.getLogger("pagedcore")
+
+ENV_PREFIX = "PAGEDCORE_"
+METRICS_INTERVAL_S = 0.5
+
+
+# ---- settings ------------------------------------------------------------------------------------
+
+def _parse_setting(name: str, raw: str, hint) -> object:
+    kinds = [k for k in typing.get_args(hint) if k is not type(None)] if isinstance(hint, types.UnionType) else [hint]
+    if type(None) in typing.get_args(hint) and raw.lower() in ("none", "null"):
+        return None
+    kind = kinds[0]
+    try:
+        if kind is bool:
+            if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                raise ValueError(raw)
+            return raw.lower() in ("1", "true", "yes", "on")
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {kind.__name__}") from None
+
+
+def engine_settings_from_env(environ: typing.Mapping[str, str] = os.environ) -> dict:
+    """EngineConfig keyword arguments from PAGEDCORE_<FIELD> variables (unset or empty: default)."""
+    hints = typing.get_type_hints(EngineConfig)
+    settings = {}
+    for f in dataclasses.fields(EngineConfig):
+        raw = environ.get(ENV_PREFIX + f.name.upper(), "")
+        if raw != "":
+            settings[f.name] = _parse_setting(f.name, raw, hints[f.name])
+    return settings
+
+
+def served_model_name(model: str | None, environ: typing.Mapping[str, str] = os.environ) -> str:
+    from pagedcore.model_loader import BUNDLED_NAMES
+
+    if environ.get(ENV_PREFIX + "SERVED_MODEL_NAME"):
+        return environ[ENV_PREFIX + "SERVED_MODEL_NAME"]
+    if model in BUNDLED_NAMES:
+        return "SmolLM2-135M-Instruct"
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+# ---- metrics ---------------------------------------------------------------------------------------
+
+class EngineMetrics:
+    """pagedcore_* gauges in BentoML's /metrics, refreshed from the engine's stats by a thread.
+
+    prometheus_client is imported here, not at module import: BentoML sets its multiprocess
+    directory in the worker after importing the service module (what `bentoml.metrics`, now
+    deprecated, did for the same reason).
+    """
+
+    def __init__(self, read_stats):
+        from prometheus_client import Counter, Gauge
+
+        self.read_stats = read_stats
+        g = lambda name, doc: Gauge(name, doc, multiprocess_mode="livemostrecent")
+        self.kv_usage = g("pagedcore_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1)")
+        self.kv_used = g("pagedcore_kv_cache_used_blocks", "KV cache blocks in use")
+        self.kv_total = g("pagedcore_kv_cache_total_blocks", "KV cache blocks in all")
+        self.running = g("pagedcore_num_requests_running", "Sequences in the running queue")
+        self.waiting = g("pagedcore_num_requests_waiting", "Sequences in the waiting queue")
+        self.swapped = g("pagedcore_num_requests_swapped", "Sequences swapped out to CPU")
+        self.preemptions = Counter("pagedcore_preemptions", "Sequences preempted since start")
+        self.generated = Counter("pagedcore_generation_tokens", "Tokens generated since start")
+        self._seen_preemptions = self._seen_generated = 0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.update()
+        threading.Thread(target=self._poll, name="pagedcore-metrics", daemon=True).start()
+
+    def update(self) -> None:
+        s = self.read_stats()
+        with self._lock:
+            self.kv_usage.set(s.kv_usage)
+            self.kv_used.set(s.num_total_blocks - s.num_free_blocks)
+            self.kv_total.set(s.num_total_blocks)
+            self.running.set(s.num_running)
+            self.waiting.set(s.num_waiting)
+            self.swapped.set(s.num_swapped)
+            self.preemptions.inc(max(0, s.num_preemptions - self._seen_preemptions))
+            self.generated.inc(max(0, s.total_generated_tokens - self._seen_generated))
+            self._seen_preemptions, self._seen_generated = s.num_preemptions, s.total_generated_tokens
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(METRICS_INTERVAL_S):
+            try:
+                self.update()
+            except Exception:  # a metrics hiccup must never take the server down
+                logger.exception("updating engine metrics failed")
+
+
+# ---- the HTTP app ------------------------------------------------------------------------------------
+
+app = FastAPI(title="pagedcore OpenAI-compatible API")
+
+
+def _error(e: OpenAIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+@app.exception_handler(OpenAIError)
+async def _openai_error(request: Request, e: OpenAIError) -> JSONResponse:
+    return _error(e)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    return _error(OpenAIError(str(e.detail), status=e.status_code,
+                              code="not_found" if e.status_code == 404 else None))
+
+
+@app.exception_handler(Exception)
+async def _server_error(request: Request, e: Exception) -> JSONResponse:
+    logger.exception("request failed")
+    return _error(OpenAIError(f"internal error: {e}", type="server_error", status=500))
+
+
+async def _json_body(request: Request) -> object:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise OpenAIError(f"the request body is not valid JSON: {e}") from e
+
+
+async def _unless_disconnected(request: Request, coro) -> object:
+    """Run `coro`; cancel it (aborting its engine request) if the client goes away first."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise OpenAIError("client disconnected", status=499)
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+class _SSEResponse(StreamingResponse):
+    """Streams SSE and always closes the generator, which aborts unfinished engine requests."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def _respond(result) -> JSONResponse | StreamingResponse:
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return _SSEResponse(result, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# ---- the service ----------------------------------------------------------------------------------
+
+@bentoml.asgi_app(app, path="/v1")
+@bentoml.service(name="pagedcore", workers=1, traffic={"timeout": 3600})
+class PagedCore:
+    def __init__(self) -> None:
+        from pagedcore.async_engine import AsyncLLMEngine
+
+        settings = engine_settings_from_env()
+        self.engine = AsyncLLMEngine.from_settings(**settings)
+        model = settings.get("model")
+        self.openai = OpenAIServing(self.engine, served_model_name(model),
+                                    aliases=tuple(a for a in (model,) if a))
+        # The live stats: AsyncLLMEngine.stats() is the last *step's* snapshot, which misses
+        # blocks freed by an abort when no step follows.
+        self.metrics = EngineMetrics(self.engine.engine.stats)
+
+    @bentoml.on_shutdown
+    def shutdown(self) -> None:
+        self.metrics.stop()
+        self.engine.shutdown()
+
+    # ---- OpenAI routes (FastAPI; `self` is injected by BentoML) ------------------------------------
+    @app.get("/models")
+    async def models(self) -> JSONResponse:
+        return JSONResponse(self.openai.models())
+
+    @app.post("/completions")
+    async def completions(self, request: Request):
+        body = await _json_body(request)
+        return _respond(await _unless_disconnected(request, self.openai.completions(body)))
+
+    @app.post("/chat/completions")
+    async def chat_completions(self, request: Request):
+        body = await _json_body(request)
+        return _respond(await _unless_disconnected(request, self.openai.chat_completions(body)))
+
+    # ---- the native stream ---------------------------------------------------------------------------
+    @bentoml.api
+    async def generate(self, prompt: str, max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+                       top_k: int = 0, seed: typing.Optional[int] = None, stop: typing.Optional[list[str]] = None,
+                       chat: bool = True) -> AsyncGenerator[str, None]:
+        """Stream the text of one completion as it is generated. `chat`: wrap `prompt` as a user
+        message in the model's chat template (default), else send it raw. BentoML reads the first
+        chunk before it answers, so invalid input is a 400, not a broken stream."""
+        try:
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    seed=seed, stop=stop or [])
+            if chat:
+                prompt = list(self.engine.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
+                    return_dict=False))
+            async with aclosing(self.engine.generate(prompt, params)) as deltas:
+                async for out in deltas:
+                    if out.outputs[0].text:
+                        yield out.outputs[0].text
+        except InvalidRequestError as e:
+            raise bentoml.exceptions.InvalidArgument(str(e)) from e

@@ -1,0 +1,170 @@
+"""Vectorised paged attention in plain torch, for the CPU backend.
+
+Same semantics as `reference.ref_paged_attention` (varlen, causal, GQA, sliding window, softcap),
+but without a Python loop over decode sequences:
+
+* Decode rows (query length 1) are batched: one `index_select` gathers whole cache blocks of all
+  decode sequences into a padded [B, L, Hkv, D] buffer (block-granular gather: 1 index per block,
+  not per token; with a sliding window only the blocks inside the window), a length mask hides the
+  padding, and one attention call does the math.
+  Sequences are bucketed by length (max/min <= 2 inside a bucket, short ones together) so one
+  long sequence does not pad the whole batch to its length.
+* Prefill rows (query length > 1: prompts, chunks, prefix hits) go one sequence at a time through
+  SDPA: their work is large per call, so the loop overhead is noise.
+
+Attention math: `torch.nn.functional.scaled_dot_product_attention` (with `enable_gqa`, and a
+boolean mask) -- on CPU it is a fused flash kernel that accumulates bf16/fp16 in fp32 and never
+materialises the GQA-expanded K/V. It has no softcap, so softcap layers take an explicit fp32
+matmul + softmax path. (Measured choices: see `python -m pagedcore.kernels.bench`.)
+
+Cache slots past a sequence's length (the tail of its last block, padding blocks) may hold
+anything, NaN included (e.g. a `torch.empty` cache): they are zeroed in the gathered copy, since
+even a fully masked score contributes 0 * NaN = NaN to the output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedcore.attention.backend import AttentionMetadata
+
+
+def _bucket_by_length(idx: list[int], lens: list[int], ratio: float = 2.0, floor: int = 128) -> list[list[int]]:
+    """Group sequence indices so that within a group max_len <= max(ratio * min_len, floor): padding
+    stays bounded, and short sequences (cheap to pad) share one call."""
+    order = sorted(idx, key=lambda i: lens[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lens[i] <= max(ratio * lens[groups[-1][0]], floor):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _explicit_attention(q, k, v, mask, scale, softcap):
+    """Explicit fp32 matmul + softmax (+ softcap). q [N, Hq, M, D], k/v [N, Hkv, L, D], mask [N|1, 1, M, L].
+
+    GQA without expanding K/V: the query heads of one KV head are folded into the row axis."""
+    group = q.shape[1] // k.shape[1]
+    n, hkv, length, d = k.shape
+    m = q.shape[2]
+    qf = q.float().reshape(n, hkv, group * m, d)
+    s = torch.matmul(qf, k.float().transpose(-1, -2)).view(n, hkv, group, m, length) * scale
+    if softcap is not None and softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~mask.reshape(mask.shape[0], 1, 1, m, length), float("-inf"))
+    p = torch.softmax(s, dim=-1).view(n, hkv, group * m, length)
+    return torch.matmul(p, v.float()).view(n, hkv * group, m, d)
+
+
+def _attend(q, k, v, mask, scale, softcap, use_sdpa=True):
+    """q [N, Hq, M, D], k/v [N, Hkv, L, D], mask bool [N|1, 1, M, L] (True = visible) -> [N, Hq, M, D] fp32|dtype."""
+    if (softcap is not None and softcap > 0) or not use_sdpa:
+        return _explicit_attention(q, k, v, mask, scale, softcap)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _decode_group(out, query, k_cache, v_cache, metadata, seqs, scale, sliding_window, softcap, use_sdpa):
+    block_size = k_cache.shape[1]
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    n = len(seqs)
+    device = query.device
+    lens_list = [metadata.seq_lens_cpu[i] for i in seqs]
+    window = sliding_window if sliding_window is not None and sliding_window > 0 else None
+    # First block holding a visible key (with a sliding window, older blocks are never gathered).
+    first = [max(0, length - window) // block_size if window else 0 for length in lens_list]
+    num_blocks = max(-(-length // block_size) - f for length, f in zip(lens_list, first))
+
+    # One gather of whole blocks: [n * num_blocks, block_size, Hkv, D] -> [n, L, Hkv, D].
+    seq_idx = torch.tensor(seqs, dtype=torch.long, device=device)
+    cols = torch.tensor(first, dtype=torch.long, device=device)[:, None] + torch.arange(num_blocks, device=device)
+    table = metadata.block_table
+    blocks = table[seq_idx[:, None], cols.clamp(max=table.shape[1] - 1)].reshape(-1).long()
+    length = num_blocks * block_size
+    k = torch.index_select(k_cache, 0, blocks).view(n, length, num_kv_heads, head_dim)
+    v = torch.index_select(v_cache, 0, blocks).view(n, length, num_kv_heads, head_dim)
+
+    lens = torch.tensor(lens_list, dtype=torch.long, device=device)[:, None]
+    pos = (cols[:, :, None] * block_size + torch.arange(block_size, device=device)).view(n, length)  # absolute
+    valid = pos < lens  # [n, L]
+    if not bool(valid.all()):
+        k[~valid] = 0  # touches only the padded slots
+        v[~valid] = 0
+    visible = valid & ((lens - 1 - pos) < window) if window else valid
+
+    rows_list = [metadata.query_start_loc_cpu[i] for i in seqs]
+    contiguous = rows_list == list(range(rows_list[0], rows_list[0] + n))  # e.g. a pure-decode batch
+    if contiguous:
+        q = query[rows_list[0] : rows_list[0] + n].unsqueeze(2)  # [n, Hq, 1, D], no copy
+    else:
+        rows = torch.tensor(rows_list, dtype=torch.long, device=device)
+        q = query.index_select(0, rows).unsqueeze(2)
+    o = _attend(q, k.transpose(1, 2), v.transpose(1, 2), visible[:, None, None, :], scale, softcap, use_sdpa)
+    o = o.squeeze(2).to(out.dtype)
+    if contiguous:
+        out[rows_list[0] : rows_list[0] + n] = o
+    else:
+        out.index_copy_(0, rows, o)
+
+
+def _prefill_one(out, query, k_cache, v_cache, metadata, i, scale, sliding_window, softcap):
+    block_size = k_cache.shape[1]
+    start, end = metadata.query_start_loc_cpu[i], metadata.query_start_loc_cpu[i + 1]
+    seq_len = metadata.seq_lens_cpu[i]
+    q_len = end - start
+    device = query.device
+    # Token-granular gather of exactly the context: no padding, so nothing to zero.
+    pos = torch.arange(seq_len, device=device)
+    slots = metadata.block_table[i].long()[pos // block_size] * block_size + pos % block_size
+    k = k_cache.flatten(0, 1).index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+    v = v_cache.flatten(0, 1).index_select(0, slots).transpose(0, 1).unsqueeze(0)
+    q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, M, D]
+
+    use_window = sliding_window is not None and 0 < sliding_window < seq_len
+    if q_len == seq_len and not use_window and not (softcap is not None and softcap > 0):
+        # Plain prompt: SDPA's own causal path (top-left aligned == ours when M == L).
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    else:
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
+        visible = pos[None, :] <= q_pos
+        if use_window:
+            visible = visible & ((q_pos - pos[None, :]) < sliding_window)
+        o = _attend(q, k, v, visible[None, None], scale, softcap)
+    out[start:end] = o[0].transpose(0, 1).to(out.dtype)
+
+
+def cpu_paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    out: torch.Tensor | None = None,
+    use_sdpa: bool = True,
+) -> torch.Tensor:
+    """Paged varlen attention over the (already written) cache. Returns [T, Hq, D] in query's dtype.
+
+    Rows not owned by any sequence (padding tokens) are zero. `use_sdpa=False` runs decode rows
+    through the explicit fp32 matmul/softmax path instead (kept to benchmark the choice).
+    """
+    if out is None:
+        out = torch.zeros_like(query) if metadata.query_start_loc_cpu[-1] < query.shape[0] else torch.empty_like(query)
+    qsl = metadata.query_start_loc_cpu
+    decode: list[int] = []
+    for i in range(len(metadata.seq_lens_cpu)):
+        q_len = qsl[i + 1] - qsl[i]
+        if q_len == 1:
+            decode.append(i)
+        elif q_len > 1:
+            _prefill_one(out, query, k_cache, v_cache, metadata, i, scale, sliding_window, softcap)
+    if decode:
+        eff_lens = metadata.seq_lens_cpu
+        if sliding_window is not None and sliding_window > 0:
+            eff_lens = [min(length, sliding_window) for length in eff_lens]
+        for group in _bucket_by_length(decode, eff_lens):
+            _decode_group(out, query, k_cache, v_cache, metadata, group, scale, sliding_window, softcap, use_sdpa)
+    return out

@@ -1,0 +1,57 @@
+"""Small pieces shared by the Triton attention kernels."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# log2(e): the kernels use exp2 (one native instruction on GPUs) on scores pre-multiplied by
+# log2(e), so exp(s - m) == exp2(s * log2e - m * log2e).
+LOG2E = tl.constexpr(1.4426950408889634)
+
+# Running-max initial value. Finite on purpose: with -inf, a row whose first tiles are entirely
+# masked (sliding window, padding rows) would compute exp2(-inf - (-inf)) = NaN.
+# (Globals read inside @triton.jit code must be tl.constexpr.)
+NEG_BIG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def apply_softcap(s, softcap):
+    """softcap * tanh(s / softcap), with tanh written through exp so it runs on every backend
+    (GPU and the CPU interpreter) without libdevice: tanh(x) = 1 - 2 / (exp(2x) + 1), which
+    saturates correctly to +-1 when exp overflows to inf or underflows to 0."""
+    x = s / softcap
+    t = 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+    return softcap * t
+
+
+@triton.jit
+def mma(a, b, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """tl.dot with fp32 accumulation. UPCAST works around the Triton CPU interpreter, whose dot
+    multiplies bf16 operands as their raw uint16 bit patterns (triton 3.x `create_dot`): there the
+    operands are widened to fp32 first (exact for bf16). On GPUs UPCAST is False and the dot runs
+    on bf16 tensor cores."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=DOT_PREC)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def needs_dot_upcast(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and interpreting()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs: force true-fp32 dots (the default tf32 on Ampere+ loses ~3 decimal digits)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def torch_dtype_to_tl(dtype: torch.dtype):
+    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]

@@ -1,0 +1,383 @@
+"""The BentoML front door: a real `bentoml serve` subprocess, driven by the official `openai` client.
+
+One server for the module, on a free loopback port, with a small float32 engine; greedy texts are
+checked against the offline engine (`pagedcore.LLM`, same settings) on the same prompt and params.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("bentoml")
+
+from conftest import CHAT_PROMPTS  # noqa: E402
+from pagedcore import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SERVICE = "pagedcore.adapters.bentoml_service:PagedCore"
+MODEL = "SmolLM2-135M-Instruct"
+# The server and the offline reference run the same engine settings; one torch thread each, since
+# oversubscribed threads on a small shared machine make every step many times slower.
+SETTINGS = dict(dtype="float32", num_kv_blocks=256, max_num_seqs=64, max_model_len=1024, num_threads=1)
+STARTUP_TIMEOUT = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+# ---- fixtures: the server loads while the offline reference engine does ------------------------------
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, request):
+    from pagedcore.model_loader import resolve_model_dir
+
+    resolve_model_dir(None)  # convert the bundled GGUF here, never inside the server
+    port = free_port()
+    home = tmp_path_factory.mktemp("bentoml")
+    env = {**os.environ, "BENTOML_HOME": str(home), "BENTOML_DO_NOT_TRACK": "True", "TOKENIZERS_PARALLELISM": "false",
+           **{f"PAGEDCORE_{k.upper()}": str(v) for k, v in SETTINGS.items()}}
+    log = open(home / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "bentoml", "serve", SERVICE, "--host", "127.0.0.1",
+                             "--port", str(port)], cwd=home, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # its own process group: its workers stop with it
+    base = f"http://127.0.0.1:{port}"
+    try:
+        request.getfixturevalue("offline")  # load the reference engine while the server starts
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while True:
+            assert proc.poll() is None, f"bentoml serve exited:\n{_tail(log)}"
+            assert time.monotonic() < deadline, f"not ready in {STARTUP_TIMEOUT} s:\n{_tail(log)}"
+            try:
+                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        yield base
+    finally:
+        _stop(proc)
+        log.close()
+
+
+def _tail(log, n: int = 4000) -> str:
+    log.flush()
+    log.seek(0)
+    return log.read()[-n:]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def offline():
+    from pagedcore import LLM
+
+    return LLM(**SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def chat_ref(offline, messages, params):
+    (out,) = offline.chat(messages, params, use_tqdm=False)
+    return out
+
+
+def gen_ref(offline, prompt, params):
+    (out,) = offline.generate([prompt], params, use_tqdm=False)
+    return out
+
+
+def metric(base: str, name: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    m = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def wait_kv_free(base: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        used, running = metric(base, "pagedcore_kv_cache_used_blocks"), metric(base, "pagedcore_num_requests_running")
+        if used == 0 and running == 0:
+            return
+        assert time.monotonic() < deadline, f"still {used} KV blocks used, {running} running after {timeout} s"
+        time.sleep(0.25)
+
+
+# ---- the OpenAI API ------------------------------------------------------------------------------------
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_greedy_chat_equals_offline_chat_with_exact_usage(client, offline):
+    question = CHAT_PROMPTS[0]
+    ref = chat_ref(offline, user(question), greedy(16))
+    r = client.chat.completions.create(model=MODEL, messages=user(question), temperature=0, max_completion_tokens=16)
+    (choice,) = r.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content == ref.outputs[0].text
+    assert choice.finish_reason == ref.outputs[0].finish_reason
+    assert r.usage.prompt_tokens == len(offline.apply_chat_template(user(question)))
+    assert r.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_streamed_chat_equals_offline_and_ends_with_usage(client, offline):
+    question = CHAT_PROMPTS[2]
+    ref = chat_ref(offline, user(question), greedy(20))
+    chunks = list(client.chat.completions.create(model=MODEL, messages=user(question), temperature=0, max_tokens=20,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.outputs[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [ref.outputs[0].finish_reason]
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert chunks[-1].usage.completion_tokens == len(ref.outputs[0].token_ids)
+
+
+def test_greedy_completion_streamed_and_not_equals_offline_generate(client, offline):
+    prompt = "The three primary colors are"
+    ref = gen_ref(offline, prompt, greedy(12, stop=["\n\n"]))
+    r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12, stop=["\n\n"])
+    assert r.choices[0].text == ref.outputs[0].text
+    assert r.choices[0].finish_reason == ref.outputs[0].finish_reason
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12, stop=["\n\n"],
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == ref.outputs[0].text
+    assert chunks[-1].choices[0].finish_reason == ref.outputs[0].finish_reason
+
+
+def test_completion_default_max_tokens_is_16_and_token_prompts_work(client, offline):
+    ids = offline.get_tokenizer().encode("Once upon a time")
+    r = client.completions.create(model=MODEL, prompt=ids, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+    assert r.choices[0].text == gen_ref(offline, ids, greedy(16, ignore_eos=True)).outputs[0].text
+
+
+def test_a_list_of_prompts_gets_one_choice_per_prompt_streamed_or_not(client, offline):
+    prompts = ["The capital of France is", "Two plus two equals"]
+    refs = offline.generate(prompts, greedy(8), use_tqdm=False)
+    r = client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=8)
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [o.outputs[0].text for o in refs]
+    assert r.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in refs)
+    texts = {}
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=8, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert [texts[0], texts[1]] == [o.outputs[0].text for o in refs]
+
+
+def test_n3_seeded_sampling_returns_three_choices_equal_to_offline(client, offline):
+    params = dict(temperature=0.8, max_tokens=12, seed=7)
+    ref = chat_ref(offline, user(CHAT_PROMPTS[1]), SamplingParams(n=3, **params))
+    r = client.chat.completions.create(model=MODEL, messages=user(CHAT_PROMPTS[1]), n=3, **params)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert [c.message.content for c in sorted(r.choices, key=lambda c: c.index)] == [o.text for o in ref.outputs]
+    assert r.usage.completion_tokens == sum(len(o.token_ids) for o in ref.outputs)
+    # Streaming: every choice's deltas carry its index and it finishes exactly once.
+    texts, finishes = {}, {}
+    stream = client.chat.completions.create(model=MODEL, messages=user(CHAT_PROMPTS[1]), n=3, stream=True, **params)
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                assert c.index not in finishes
+                finishes[c.index] = c.finish_reason
+    assert [texts[i] for i in range(3)] == [o.text for o in ref.outputs]
+    assert sorted(finishes) == [0, 1, 2]
+
+
+def test_chat_logprobs_shape_and_values(client, offline):
+    ref = chat_ref(offline, user(CHAT_PROMPTS[3]), greedy(8, logprobs=3))
+    r = client.chat.completions.create(model=MODEL, messages=user(CHAT_PROMPTS[3]), temperature=0, max_tokens=8,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    ref_out = ref.outputs[0]
+    assert len(content) == r.usage.completion_tokens == len(ref_out.token_ids)
+    for entry, tid, step in zip(content, ref_out.token_ids, ref_out.logprobs):
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob == pytest.approx(step[tid].logprob, abs=1e-4)
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
+        assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
+    tokens = content[:-1] if r.choices[0].finish_reason == "stop" else content  # "stop": the last is <|im_end|>
+    assert "".join(e.token for e in tokens) == r.choices[0].message.content
+
+
+def test_completion_logprobs_shape(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=6,
+                                  logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs)  # top-2, plus the sampled token if not among them
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == r.choices[0].text
+
+
+# ---- many clients, some leaving early -----------------------------------------------------------------
+def test_32_concurrent_streams_with_disconnects_complete_and_free_every_block(server, offline):
+    questions = [f"{q} (#{i})" for i, q in enumerate(CHAT_PROMPTS * 4)]
+    leavers = set(range(3, 32, 8))  # 4 clients close their stream after a few chunks; one more times out
+    refs = offline.chat([user(q) for q in questions], greedy(16), use_tqdm=False)
+
+    async def one(aclient, i: int) -> str:
+        # Leavers ask for far more tokens than they read: only an abort ends them quickly.
+        extra = {"max_tokens": 900, "extra_body": {"ignore_eos": True}} if i in leavers else {"max_tokens": 16}
+        stream = await aclient.chat.completions.create(model=MODEL, messages=user(questions[i]), temperature=0,
+                                                       stream=True, **extra)
+        text, n = "", 0
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            n += 1
+            if i in leavers and n == 3:
+                await stream.close()
+                break
+        return text
+
+    async def impatient(aclient) -> None:  # a non-streaming client that gives up waiting
+        with pytest.raises(openai.APITimeoutError):
+            await aclient.with_options(timeout=3).chat.completions.create(
+                model=MODEL, messages=user("Tell me a long story."), max_tokens=900, extra_body={"ignore_eos": True})
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=180) as ac:
+            texts = await asyncio.gather(*(one(ac, i) for i in range(32)), impatient(ac))
+            return texts[:32]
+
+    t0 = time.monotonic()
+    texts = asyncio.run(main())
+    for i, (text, ref) in enumerate(zip(texts, refs)):
+        if i not in leavers:
+            assert text == ref.outputs[0].text, f"client {i}: {text!r} != {ref.outputs[0].text!r}"
+    wait_kv_free(server, timeout=15)  # a leaver left running would hold its blocks for ~900 more steps
+    assert time.monotonic() - t0 < 120
+
+
+# ---- bad input -------------------------------------------------------------------------------------------
+LONG_PROMPT = "hello " * 1100  # over max_model_len = 1024
+
+BAD = {  # name: (route, body, status, param)
+    "malformed-json": ("chat/completions", b'{"model": "x", "messages": [', 400, None),
+    "unknown-model": ("chat/completions", {"model": "gpt-4", "messages": user("Hi")}, 404, "model"),
+    "negative-temperature": ("chat/completions", {"model": MODEL, "messages": user("Hi"), "temperature": -0.5}, 400,
+                             "temperature"),
+    "n-zero": ("chat/completions", {"model": MODEL, "messages": user("Hi"), "n": 0}, 400, "n"),
+    "top-p-over-1": ("completions", {"model": MODEL, "prompt": "Hi", "top_p": 1.5}, 400, "top_p"),
+    "prompt-over-context": ("completions", {"model": MODEL, "prompt": LONG_PROMPT}, 400, "prompt"),
+    "chat-over-context": ("chat/completions", {"model": MODEL, "messages": user(LONG_PROMPT)}, 400, "messages"),
+    "no-messages": ("chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    "unknown-field": ("chat/completions", {"model": MODEL, "messages": user("Hi"), "temprature": 0}, 400, "temprature"),
+    "top-logprobs-alone": ("chat/completions", {"model": MODEL, "messages": user("Hi"), "top_logprobs": 2}, 400,
+                           "top_logprobs"),
+    "max-tokens-zero": ("completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
+    "bad-engine-extra": ("completions", {"model": MODEL, "prompt": "Hi", "top_k": -3}, 400, "top_k"),
+}
+
+
+@pytest.mark.parametrize("route,body,status,param", BAD.values(), ids=BAD.keys())
+def test_bad_input_gets_an_openai_error_and_the_next_request_succeeds(server, client, route, body, status, param):
+    if isinstance(body, bytes):
+        r = httpx.post(f"{server}/v1/{route}", content=body, headers={"content-type": "application/json"}, timeout=30)
+    else:
+        r = httpx.post(f"{server}/v1/{route}", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert param is None or param in err["message"], err["message"]
+    ok = client.chat.completions.create(model=MODEL, messages=user("Hi!"), temperature=0, max_tokens=2)
+    assert ok.choices[0].message.content
+
+
+def test_the_openai_client_raises_its_own_error_types(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=user("Hi"))
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL, prompt="Hi", temperature=-1)
+
+
+# ---- the native API, health and metrics -------------------------------------------------------------------
+def test_native_generate_streams_the_greedy_chat_text(server, offline):
+    ref = chat_ref(offline, user(CHAT_PROMPTS[4]), greedy(16))
+    body = {"prompt": CHAT_PROMPTS[4], "max_tokens": 16}
+    with httpx.stream("POST", f"{server}/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        pieces = list(r.iter_text())
+    assert "".join(pieces) == ref.outputs[0].text
+    bad = httpx.post(f"{server}/generate", json={"prompt": "Hi", "temperature": -1}, timeout=30)
+    assert bad.status_code == 400 and "temperature" in bad.text
+
+
+def test_health_endpoints_and_engine_gauges_in_metrics(server):
+    for path in ("/healthz", "/livez", "/readyz"):
+        assert httpx.get(server + path, timeout=10).status_code == 200
+    text = httpx.get(f"{server}/metrics", timeout=10).text
+    for name in ("pagedcore_kv_cache_usage_ratio", "pagedcore_kv_cache_used_blocks", "pagedcore_kv_cache_total_blocks",
+                 "pagedcore_num_requests_running", "pagedcore_num_requests_waiting", "pagedcore_preemptions_total",
+                 "pagedcore_generation_tokens_total"):
+        assert re.search(rf"^{name} ", text, re.M), name
+    assert metric(server, "pagedcore_kv_cache_total_blocks") == SETTINGS["num_kv_blocks"]
+    assert metric(server, "pagedcore_generation_tokens_total") > 0
+
+
+# ---- the CLI and the settings (no server needed) ---------------------------------------------------------
+def test_serve_bentoml_subcommand_execs_bentoml_serve_with_engine_settings_in_env(monkeypatch):
+    from pagedcore import cli
+
+    seen = {}
+    monkeypatch.setattr(os, "execvpe", lambda file, argv, env: seen.update(argv=argv, env=env))
+    monkeypatch.delenv("PAGEDCORE_DTYPE", raising=False)
+    cli.main(["serve-bentoml", "--host", "127.0.0.1", "--port", "3123", "--dtype", "float32", "--max-num-seqs", "8"])
+    assert seen["argv"][1:] == ["-m", "bentoml", "serve", SERVICE, "--host", "127.0.0.1", "--port", "3123"]
+    assert seen["env"]["PAGEDCORE_DTYPE"] == "float32" and seen["env"]["PAGEDCORE_MAX_NUM_SEQS"] == "8"
+    assert "PAGEDCORE_BLOCK_SIZE" not in seen["env"]  # defaults stay unset: the environment decides
+
+
+def test_engine_settings_from_env_parse_every_config_type():
+    from pagedcore.adapters.bentoml_service import engine_settings_from_env
+
+    env = {"PAGEDCORE_MODEL": "/models/x", "PAGEDCORE_NUM_KV_BLOCKS": "64", "PAGEDCORE_KV_CACHE_FRACTION": "0.5",
+           "PAGEDCORE_ENABLE_CHUNKED_PREFILL": "false", "PAGEDCORE_MAX_MODEL_LEN": "none", "PAGEDCORE_DTYPE": "",
+           "PAGEDCORE_SERVED_MODEL_NAME": "ignored-here"}
+    assert engine_settings_from_env(env) == {"model": "/models/x", "num_kv_blocks": 64, "kv_cache_fraction": 0.5,
+                                             "enable_chunked_prefill": False, "max_model_len": None}
+    with pytest.raises(ValueError, match="PAGEDCORE_MAX_NUM_SEQS"):
+        engine_settings_from_env({"PAGEDCORE_MAX_NUM_SEQS": "many"})
