@@ -37,11 +37,12 @@ def cmd_generate(args) -> int:
     if not prompts:
         print("error: give at least one prompt (or --prompts-file)", file=sys.stderr)
         return 2
+    # Validate the sampling flags before loading the model: a bad value fails at once.
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            max_tokens=args.max_tokens, seed=args.seed, n=args.n, stop=args.stop or [])
     t0 = time.perf_counter()
     llm = LLM(**_engine_settings(args))
     load_s = time.perf_counter() - t0
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                            max_tokens=args.max_tokens, seed=args.seed, n=args.n, stop=args.stop or [])
     tok = llm.get_tokenizer()
     use_chat = not args.no_chat and getattr(tok, "chat_template", None)
     inputs = [llm.apply_chat_template([{"role": "user", "content": p}]) if use_chat else p for p in prompts]
@@ -59,6 +60,25 @@ def cmd_generate(args) -> int:
     print(f"[pagedcore] {len(prompts)} prompt(s), {n_tokens} tokens in {gen_s:.2f} s "
           f"({n_tokens / gen_s:.1f} tok/s); engine start {load_s:.2f} s", file=sys.stderr)
     return 0
+
+
+BENTOML_SERVICE = "pagedcore.adapters.bentoml_service:PagedCore"
+
+
+def cmd_serve_bentoml(args) -> int:
+    """Exec `bentoml serve` on the pagedcore service; engine flags travel as PAGEDCORE_* variables
+    (only those given, so variables already set keep their say)."""
+    import os
+    from dataclasses import fields
+
+    from pagedcore.config import EngineConfig
+
+    defaults = {f.name: f.default for f in fields(EngineConfig)}
+    env = dict(os.environ)
+    env.update({f"PAGEDCORE_{k.upper()}": str(v) for k, v in _engine_settings(args).items() if v != defaults[k]})
+    argv = [sys.executable, "-m", "bentoml", "serve", BENTOML_SERVICE, "--host", args.host, "--port", str(args.port)]
+    os.execvpe(sys.executable, argv, env)
+    return 0  # reached only when exec is stubbed out (tests)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,6 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     from pagedcore import benchmark
 
     benchmark.add_parser(sub)
+
+    from pagedcore.adapters import triton_launcher
+
+    triton_launcher.add_parser(sub)  # serve-triton
+
+    b = sub.add_parser("serve-bentoml", help="serve the OpenAI-compatible API through BentoML (bentoml serve)")
+    b.add_argument("--host", default="127.0.0.1")
+    b.add_argument("--port", type=int, default=3000)
+    _add_engine_args(b)
+    b.set_defaults(func=cmd_serve_bentoml)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")

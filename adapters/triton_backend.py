@@ -1,0 +1,243 @@
+"""Triton Inference Server Python-backend model for pagedcore: translation only.
+
+Shaped like Triton's vLLM backend. The model is decoupled: `execute` hands each request to a
+coroutine on an asyncio loop in a daemon thread and returns at once; the coroutine streams the
+engine's outputs to the request's response sender and ends with exactly one
+TRITONSERVER_RESPONSE_COMPLETE_FINAL. The engine (AsyncLLMEngine) steps in its own thread and owns
+batching, validation, KV blocks and aborts; this file turns tensors into a prompt and SamplingParams
+and outputs back into tensors.
+
+Inputs: text_input (string), stream, exclude_input_in_output, return_num_input_tokens,
+return_num_output_tokens (bool), sampling_parameters (JSON of SamplingParams).
+Outputs: text_output, finish_reason (final response), num_input_tokens, num_output_tokens.
+Metrics: engine gauges/counters on Triton's /metrics through the Python backend's custom metrics
+API (pb_utils.MetricFamily).
+
+Engine settings: model.json beside model.py (or beside config.pbtxt), overridden key by key by the
+JSON object in $PAGEDCORE_TRITON_SETTINGS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+from contextlib import aclosing
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from pagedcore.adapters.triton_launcher import SETTINGS_ENV
+from pagedcore.async_engine import AsyncLLMEngine
+from pagedcore.outputs import OutputKind, RequestOutput
+from pagedcore.sampling_params import InvalidRequestError
+
+SETTINGS_FILE = "model.json"
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+METRICS_INTERVAL_S = 0.25
+
+
+def load_settings(model_dir: Path, version: str) -> dict:
+    settings: dict = {}
+    for path in (model_dir / SETTINGS_FILE, model_dir / version / SETTINGS_FILE):
+        if path.is_file():
+            settings.update(json.loads(path.read_text()))
+    settings.update(json.loads(os.environ.get(SETTINGS_ENV) or "{}"))
+    return settings
+
+
+# ---- request translation --------------------------------------------------------------------------
+@dataclass
+class GenerateRequest:
+    prompt: str
+    sampling_params: dict
+    stream: bool
+    prepend_input: bool
+    return_num_input_tokens: bool
+    return_num_output_tokens: bool
+
+
+def _scalar(request, name: str):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)  # None when an optional input is absent
+    if tensor is None:
+        return None
+    value = tensor.as_numpy().reshape(-1)
+    if value.size != 1:
+        raise InvalidRequestError(f"{name}: expected one element, got {value.size}", name)
+    return value[0]
+
+
+def _flag(request, name: str) -> bool | None:
+    value = _scalar(request, name)
+    return None if value is None else bool(value)
+
+
+def _text(value) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def parse_request(request) -> GenerateRequest:
+    text = _scalar(request, "text_input")
+    if text is None:
+        raise InvalidRequestError("text_input: missing (a string input is required)", "text_input")
+    raw_params = _scalar(request, "sampling_parameters")
+    params = {}
+    if raw_params is not None:
+        try:
+            params = json.loads(_text(raw_params))
+        except ValueError as e:
+            raise InvalidRequestError(f"sampling_parameters: not valid JSON ({e})", "sampling_parameters") from e
+    stream = bool(_flag(request, "stream"))
+    exclude = _flag(request, "exclude_input_in_output")
+    prepend = not stream if exclude is None else not exclude  # as in the vLLM backend
+    if stream and prepend:
+        raise InvalidRequestError("exclude_input_in_output: false is not supported with stream=true",
+                                  "exclude_input_in_output")
+    return GenerateRequest(_text(text), params, stream, prepend, bool(_flag(request, "return_num_input_tokens")),
+                           bool(_flag(request, "return_num_output_tokens")))
+
+
+def error_message(e: InvalidRequestError) -> str:
+    """Name the Triton input at fault: the engine says `prompt` or a SamplingParams field."""
+    msg = str(e)
+    if e.field in ("text_input", "sampling_parameters", "exclude_input_in_output") and msg.startswith(e.field):
+        return msg  # raised above, already named
+    if e.field in ("prompt", "text_input"):
+        return f"text_input: {msg}"
+    if e.field in (None, "sampling_params", "sampling_parameters"):
+        return f"sampling_parameters: {msg}"
+    return f"sampling_parameters.{e.field}: {msg}"
+
+
+def make_response(r: GenerateRequest, out: RequestOutput):
+    prefix = r.prompt if r.prepend_input else ""
+    tensors = [pb_utils.Tensor("text_output", np.array([(prefix + o.text).encode() for o in out.outputs], dtype=object))]
+    if out.finished:
+        reasons = [str(o.finish_reason).encode() for o in out.outputs]
+        tensors.append(pb_utils.Tensor("finish_reason", np.array(reasons, dtype=object)))
+    if r.return_num_input_tokens:
+        tensors.append(pb_utils.Tensor("num_input_tokens", np.array([len(out.prompt_token_ids)], dtype=np.uint32)))
+    if r.return_num_output_tokens:  # this response's tokens: deltas when streaming, all at the end otherwise
+        tensors.append(pb_utils.Tensor("num_output_tokens", np.array([len(o.token_ids) for o in out.outputs],
+                                                                     dtype=np.uint32)))
+    return pb_utils.InferenceResponse(output_tensors=tensors)
+
+
+def error_response(message: str, code):
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+
+# ---- metrics --------------------------------------------------------------------------------------
+class EngineMetrics:
+    """Engine stats polled into Triton custom metrics (served on the metrics port's /metrics)."""
+
+    def __init__(self, engine: AsyncLLMEngine, labels: dict[str, str]):
+        self.engine = engine
+        gauge, counter = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
+        self._families = []  # a family dropped is a family unregistered: keep them alive
+
+        def metric(name: str, description: str, kind):
+            family = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+            self._families.append(family)
+            return family.Metric(labels=labels)
+
+        self.running = metric("pagedcore_num_requests_running", "Sequences in the running batch", gauge)
+        self.waiting = metric("pagedcore_num_requests_waiting", "Sequences waiting to be scheduled", gauge)
+        self.kv_used = metric("pagedcore_kv_blocks_used", "KV cache blocks in use", gauge)
+        self.kv_total = metric("pagedcore_kv_blocks_total", "KV cache blocks in the pool", gauge)
+        self.tokens = metric("pagedcore_generation_tokens_total", "Tokens generated", counter)
+        self.preemptions = metric("pagedcore_num_preemptions_total", "Sequences preempted", counter)
+        self._counted = {"tokens": 0, "preemptions": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pagedcore-triton-metrics", daemon=True)
+        self._thread.start()
+
+    def update(self) -> None:
+        # LLMEngine.stats() reads live counters. (AsyncLLMEngine.stats() is the last step's snapshot, which
+        # stays stale when an abort leaves the engine idle: no step follows to refresh it.)
+        s = self.engine.engine.stats()
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.kv_used.set(s.num_total_blocks - s.num_free_blocks)
+        self.kv_total.set(s.num_total_blocks)
+        self._advance(self.tokens, "tokens", s.total_generated_tokens)
+        self._advance(self.preemptions, "preemptions", s.num_preemptions)
+
+    def _advance(self, counter, key: str, total: int) -> None:
+        if total > self._counted[key]:
+            counter.increment(total - self._counted[key])
+            self._counted[key] = total
+
+    def _run(self) -> None:
+        while not self._stop.wait(METRICS_INTERVAL_S):
+            try:
+                self.update()
+            except Exception as e:  # never let a metrics hiccup take the thread down
+                pb_utils.Logger.log_warn(f"pagedcore metrics update failed: {e}")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+async def _drain(timeout: float = 10.0) -> None:
+    """Let the request coroutines still running send their last response."""
+    tasks = asyncio.all_tasks() - {asyncio.current_task()}
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout)
+
+
+# ---- the model --------------------------------------------------------------------------------------
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise ValueError("the pagedcore model needs `model_transaction_policy { decoupled: true }`")
+        settings = load_settings(Path(args["model_repository"]), args["model_version"])
+        pb_utils.Logger.log_info(f"pagedcore engine settings: {settings}")
+        self.engine = AsyncLLMEngine.from_settings(**settings)
+        self.loop = asyncio.new_event_loop()
+        self.loop_thread = threading.Thread(target=self.loop.run_forever, name="pagedcore-triton-loop", daemon=True)
+        self.loop_thread.start()
+        self.metrics = EngineMetrics(self.engine, {"model": args["model_name"], "version": args["model_version"]})
+
+    def execute(self, requests):
+        for request in requests:
+            asyncio.run_coroutine_threadsafe(self.generate(request), self.loop)
+        return None  # decoupled: responses go through each request's sender
+
+    async def generate(self, request) -> None:
+        sender = request.get_response_sender()
+        try:
+            r = parse_request(request)
+            kind = OutputKind.DELTA if r.stream else OutputKind.CUMULATIVE  # CUMULATIVE: the last one holds it all
+            # aclosing: leaving the loop early closes the stream at once, which aborts the engine request.
+            async with aclosing(self.engine.generate(r.prompt, r.sampling_params, output_kind=kind)) as outputs:
+                async for out in outputs:
+                    if request.is_cancelled():
+                        sender.send(error_response("request cancelled", pb_utils.TritonError.CANCELLED), flags=FINAL)
+                        return
+                    if r.stream or out.finished:
+                        sender.send(make_response(r, out), flags=FINAL if out.finished else 0)
+        except InvalidRequestError as e:
+            self._send_error(sender, error_message(e), pb_utils.TritonError.INVALID_ARG)
+        except Exception as e:
+            pb_utils.Logger.log_error(f"pagedcore request failed: {type(e).__name__}: {e}")
+            self._send_error(sender, f"{type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)
+
+    @staticmethod
+    def _send_error(sender, message: str, code) -> None:
+        try:
+            sender.send(error_response(message, code), flags=FINAL)
+        except Exception as e:  # e.g. the final flag already went out, or the client is gone
+            pb_utils.Logger.log_warn(f"pagedcore could not send an error response ({message}): {e}")
+
+    def finalize(self) -> None:
+        self.metrics.close()
+        self.engine.shutdown()  # open streams end with EngineDeadError -> an error response each
+        asyncio.run_coroutine_threadsafe(_drain(), self.loop).result(timeout=15)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.loop_thread.join(timeout=10)

@@ -1,0 +1,341 @@
+"""The Triton front door: the real tritonserver (nvidia-pytriton wheel) and the real tritonclient.
+
+One server for the module, on free loopback ports, with a small engine in float32; every streamed
+or generated text is checked against the offline engine's greedy output on the same settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import re
+import socket
+import time
+
+import numpy as np
+import pytest
+import requests
+
+grpcclient = pytest.importorskip("tritonclient.grpc")
+aio = pytest.importorskip("tritonclient.grpc.aio")
+pytest.importorskip("pytriton")
+
+from pagedcore.adapters.triton_launcher import TritonServer  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MODEL = "pagedcore"
+# The server and the offline reference run the same engine settings; float32 on both sides. One torch
+# thread each: on a small shared machine, OpenMP threads spin against each other (10x slower steps).
+SETTINGS = dict(dtype="float32", num_kv_blocks=256, max_num_seqs=32, max_model_len=1024, num_threads=1)
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "List three prime numbers.",
+    "Hi!",
+    "Translate 'good morning' into Spanish and German.",
+    "What does a compiler do? Answer for a ten-year-old.",
+    "Name a famous painting.",
+]
+MAX_TOKENS = [8, 16]  # the concurrent streams' mix; test_grpc_stream_* also uses (prompt 1, 32 tokens)
+TIMEOUT = 180
+
+
+def greedy(max_tokens: int, **kw) -> dict:
+    return {"temperature": 0, "max_tokens": max_tokens, **kw}
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+# ---- fixtures: the server starts, the offline references are computed while it loads --------------
+@pytest.fixture(scope="module")
+def server_process(tmp_path_factory):
+    from pagedcore.model_loader import resolve_model_dir
+
+    resolve_model_dir(None)  # convert the bundled GGUF here, never inside the server
+    http, grpc, metrics = free_ports(3)
+    log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
+    server = TritonServer(http_port=http, grpc_port=grpc, metrics_port=metrics, engine_settings=SETTINGS, log_path=log)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from pagedcore.model_loader import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+            for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def offline(server_process, prompts):
+    """(prompt index, max_tokens) -> the offline engine's greedy CompletionOutput."""
+    import torch
+
+    from pagedcore import LLM
+
+    threads = torch.get_num_threads()
+    try:
+        llm = LLM(**SETTINGS)  # sets torch's thread count for the whole process: restored below
+        cases = [(i, m) for i in range(len(prompts)) for m in MAX_TOKENS] + [(1, 32)]
+        outs = llm.generate([prompts[i] for i, _ in cases], [greedy(m) for _, m in cases], use_tqdm=False)
+    finally:
+        torch.set_num_threads(threads)
+    return {case: out.outputs[0] for case, out in zip(cases, outs)}
+
+
+@pytest.fixture(scope="module")
+def server(server_process, offline):
+    try:
+        server_process.wait_ready(timeout=150)
+    except (RuntimeError, TimeoutError) as e:
+        log = server_process.log_path.read_text(errors="replace")[-4000:]
+        pytest.fail(f"{e}\n--- tritonserver log (tail) ---\n{log}")
+    return server_process
+
+
+# ---- client helpers -----------------------------------------------------------------------------------
+def infer_inputs(prompt: str | None, params=None, *, stream: bool = True, raw_params: str | None = None,
+                 **flags: bool) -> list:
+    def tensor(name, value, dtype):
+        t = grpcclient.InferInput(name, [1], dtype)
+        t.set_data_from_numpy(np.array([value], dtype=object if dtype == "BYTES" else bool))
+        return t
+
+    inputs = [tensor("stream", stream, "BOOL")]
+    if prompt is not None:
+        inputs.append(tensor("text_input", prompt.encode(), "BYTES"))
+    if params is not None or raw_params is not None:
+        inputs.append(tensor("sampling_parameters", (raw_params or json.dumps(params)).encode(), "BYTES"))
+    inputs += [tensor(name, value, "BOOL") for name, value in flags.items()]
+    return inputs
+
+
+def is_final(result) -> bool:
+    return result.get_response().parameters["triton_final_response"].bool_param
+
+
+def text_of(result) -> str:
+    out = result.as_numpy("text_output")
+    return "" if out is None else out[0].decode()
+
+
+class StreamClient:
+    """tritonclient's callback API: start_stream once, async_stream_infer per request."""
+
+    def __init__(self, server: TritonServer):
+        self.client = grpcclient.InferenceServerClient(server.grpc_url)
+        self.responses: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
+
+    def generate(self, inputs) -> tuple[list, object]:
+        """All responses of one request, up to its final one; or the error that ended it."""
+        self.client.async_stream_infer(MODEL, inputs, enable_empty_final_response=True)
+        results = []
+        while True:
+            result, error = self.responses.get(timeout=TIMEOUT)
+            if error is not None:
+                return results, error
+            results.append(result)
+            if is_final(result):
+                return results, None
+
+    def close(self) -> None:
+        self.client.stop_stream()
+        self.client.close()
+
+
+@pytest.fixture
+def stream_client(server):
+    c = StreamClient(server)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def engine_metrics(server: TritonServer) -> dict[str, float]:
+    text = requests.get(server.metrics_url, timeout=10).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(pagedcore_\w+)\{[^}]*\} (\S+)$", text, re.M)}
+
+
+def wait_for_metric(server: TritonServer, name: str, value: float, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = engine_metrics(server)
+        if m.get(name) == value or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+
+
+# ---- streaming -------------------------------------------------------------------------------------
+def test_grpc_stream_equals_offline_greedy(stream_client, prompts, offline):
+    results, error = stream_client.generate(infer_inputs(prompts[1], greedy(32)))
+    assert error is None, error
+    ref = offline[(1, 32)]
+    assert "".join(text_of(r) for r in results) == ref.text
+    assert len(results) > 2, "not streamed token by token"
+    assert [is_final(r) for r in results].count(True) == 1 and is_final(results[-1])
+    assert results[-1].as_numpy("finish_reason")[0].decode() == ref.finish_reason
+
+
+def test_grpc_stream_reports_token_counts(stream_client, tokenizer, prompts, offline):
+    results, error = stream_client.generate(
+        infer_inputs(prompts[3], greedy(16), return_num_input_tokens=True, return_num_output_tokens=True))
+    assert error is None, error
+    ref = offline[(3, 16)]
+    assert sum(int(r.as_numpy("num_output_tokens")[0]) for r in results) == len(ref.token_ids)
+    assert {int(r.as_numpy("num_input_tokens")[0]) for r in results} == {len(tokenizer.encode(prompts[3]))}
+
+
+def test_http_generate_stream_sse_equals_offline_greedy(server, prompts, offline):
+    body = {"text_input": prompts[1], "stream": True, "sampling_parameters": json.dumps(greedy(32))}
+    with requests.post(f"http://{server.http_url}/v2/models/{MODEL}/generate_stream", json=body, stream=True,
+                       timeout=TIMEOUT) as r:
+        assert r.status_code == 200, r.text
+        events = [json.loads(line[len("data: "):]) for line in r.iter_lines(decode_unicode=True)
+                  if line.startswith("data: ")]
+    ref = offline[(1, 32)]
+    assert len(events) > 2 and all("error" not in e for e in events)
+    assert "".join(e["text_output"] for e in events) == ref.text
+    assert events[-1]["finish_reason"] == ref.finish_reason
+
+
+def test_http_generate_non_streaming_one_response(server, prompts, offline):
+    url = f"http://{server.http_url}/v2/models/{MODEL}/generate"
+    ref = offline[(0, 16)]
+    r = requests.post(url, json={"text_input": prompts[0], "sampling_parameters": json.dumps(greedy(16)),
+                                 "exclude_input_in_output": True, "return_num_output_tokens": True}, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert r.json()["text_output"] == ref.text
+    assert r.json()["num_output_tokens"] == len(ref.token_ids)
+    # Without exclude_input_in_output, a non-streaming response carries the prompt first (as vLLM's backend).
+    r = requests.post(url, json={"text_input": prompts[0], "sampling_parameters": json.dumps(greedy(16))},
+                      timeout=TIMEOUT)
+    assert r.json()["text_output"] == prompts[0] + ref.text
+
+
+# ---- 32 concurrent streams, some cancelled -------------------------------------------------------------
+async def _stream(client, prompt: str, params: dict, cancel_after: int | None = None) -> dict:
+    async def one_request():
+        yield {"model_name": MODEL, "inputs": infer_inputs(prompt, params), "enable_empty_final_response": True}
+
+    responses = client.stream_infer(one_request())
+    text, n, finals = "", 0, 0
+    async for result, error in responses:
+        if error is not None:
+            return {"error": str(error)}
+        text, n, finals = text + text_of(result), n + 1, finals + is_final(result)
+        if cancel_after is not None and n >= cancel_after:
+            responses.cancel()  # the client walks away mid-stream
+            return {"cancelled": True, "text": text}
+    return {"text": text, "finals": finals}
+
+
+def test_32_concurrent_streams_some_cancelled_all_blocks_freed(server, prompts, offline):
+    cases = [(i % len(prompts), MAX_TOKENS[i // len(prompts) % len(MAX_TOKENS)], i % 5 == 2) for i in range(32)]
+    tokens_before = engine_metrics(server)["pagedcore_generation_tokens_total"]
+
+    async def run_all():
+        client = aio.InferenceServerClient(server.grpc_url)
+        try:
+            return await asyncio.gather(*(
+                _stream(client, prompts[p], greedy(200, ignore_eos=True) if cancel else greedy(m),
+                        cancel_after=2 if cancel else None)
+                for p, m, cancel in cases))
+        finally:
+            await client.close()
+
+    results = asyncio.run(asyncio.wait_for(run_all(), TIMEOUT))
+    for (p, m, cancel), res in zip(cases, results):
+        assert "error" not in res, res
+        if cancel:
+            assert res.get("cancelled")
+        else:
+            assert res["finals"] == 1
+            assert res["text"] == offline[(p, m)].text, f"prompt {p}, max_tokens {m}"
+
+    m = wait_for_metric(server, "pagedcore_kv_blocks_used", 0)
+    assert m["pagedcore_kv_blocks_used"] == 0, f"KV blocks still held after all streams ended: {m}"
+    assert m["pagedcore_num_requests_running"] == 0 and m["pagedcore_num_requests_waiting"] == 0
+    # The cancelled requests (200 tokens each if left alone) were aborted long before their end.
+    n_cancelled = sum(c for *_, c in cases)
+    finished_tokens = sum(len(offline[(p, m)].token_ids) for p, m, c in cases if not c)
+    generated = m["pagedcore_generation_tokens_total"] - tokens_before
+    assert finished_tokens <= generated < finished_tokens + n_cancelled * 100
+
+
+def test_http_client_disconnect_aborts_the_request(server, prompts):
+    tokens_before = engine_metrics(server)["pagedcore_generation_tokens_total"]
+    body = {"text_input": prompts[0], "stream": True, "sampling_parameters": json.dumps(greedy(300, ignore_eos=True))}
+    with requests.post(f"http://{server.http_url}/v2/models/{MODEL}/generate_stream", json=body, stream=True,
+                       timeout=TIMEOUT) as r:
+        events = (line for line in r.iter_lines() if line.startswith(b"data: "))
+        next(events), next(events)  # two tokens in, then hang up
+    m = wait_for_metric(server, "pagedcore_num_requests_running", 0)
+    assert m["pagedcore_num_requests_running"] == 0 and m["pagedcore_kv_blocks_used"] == 0, m
+    assert m["pagedcore_generation_tokens_total"] - tokens_before < 100, "the request ran on after the disconnect"
+
+
+def test_metrics_endpoint_shows_engine_gauges(server):
+    m = engine_metrics(server)
+    for name in ["pagedcore_num_requests_running", "pagedcore_num_requests_waiting", "pagedcore_kv_blocks_used",
+                 "pagedcore_kv_blocks_total", "pagedcore_generation_tokens_total", "pagedcore_num_preemptions_total"]:
+        assert name in m, f"{name} missing from /metrics"
+    assert m["pagedcore_kv_blocks_total"] == SETTINGS["num_kv_blocks"]
+
+
+# ---- bad input: an error for that request, and the instance keeps serving ----------------------------------
+BAD_INPUTS = {
+    "missing text_input": (dict(prompt=None, params=greedy(4)), "text_input"),
+    "non-JSON sampling_parameters": (dict(prompt="Hi", raw_params="{max_tokens: 4"), "sampling_parameters: not valid JSON"),
+    "sampling_parameters not an object": (dict(prompt="Hi", params=[1, 2]), "sampling_parameters"),
+    "unknown sampling field": (dict(prompt="Hi", params={"max_tokens": 4, "temprature": 0}), "temprature"),
+    "bad sampling value": (dict(prompt="Hi", params={"temperature": -1}), "sampling_parameters.temperature"),
+    "bad max_tokens": (dict(prompt="Hi", params={"max_tokens": 0}), "sampling_parameters.max_tokens"),
+    "prompt over the limit": (dict(prompt="hello " * 1100, params=greedy(4)), "text_input: prompt has"),
+    "empty prompt": (dict(prompt="", params=greedy(4)), "text_input"),
+    "streaming with the input": (dict(prompt="Hi", params=greedy(4), exclude_input_in_output=False),
+                                 "exclude_input_in_output"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_gets_an_error_and_the_next_request_succeeds(stream_client, prompts, offline, case):
+    kwargs, expected = BAD_INPUTS[case]
+    prompt, params = kwargs.pop("prompt"), kwargs.pop("params", None)
+    results, error = stream_client.generate(infer_inputs(prompt, params, **kwargs))
+    assert error is not None and not results, f"{case}: no error"
+    assert expected in str(error), f"{case}: unclear message {error}"
+
+    results, error = stream_client.generate(infer_inputs(prompts[4], greedy(8)))
+    assert error is None, error
+    assert "".join(text_of(r) for r in results) == offline[(4, 8)].text
+
+
+def test_http_generate_bad_input_is_a_400_naming_the_field(server):
+    r = requests.post(f"http://{server.http_url}/v2/models/{MODEL}/generate", timeout=TIMEOUT,
+                      json={"text_input": "Hi", "sampling_parameters": json.dumps({"max_tokens": 4, "bogus": 1})})
+    assert r.status_code == 400 and "sampling_parameters.bogus" in r.json()["error"]
