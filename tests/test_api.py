@@ -13,7 +13,7 @@ from conftest import assert_greedy_equal, hf_greedy
 from pagedcore import LLM, OutputKind, SamplingParams
 
 # One torch thread: on a small shared machine, oversubscribed threads make each step ~10x slower.
-ENGINE = dict(num_threads=1)
+ENGINE: dict = {}
 FRANCE = "What is the capital of France?"
 HAIKU = "Write a haiku about the sea."
 

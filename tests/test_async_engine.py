@@ -14,7 +14,7 @@ from pagedcore import LLM, InvalidRequestError, OutputKind, SamplingParams, hook
 from pagedcore.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedcore.llm_engine import LLMEngine
 
-ENGINE = dict(num_kv_blocks=96, block_size=8, num_threads=1)
+ENGINE = dict(num_kv_blocks=96, block_size=8)
 TIMEOUT = 60  # seconds: a hang fails the test instead of the run
 
 

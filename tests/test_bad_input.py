@@ -10,7 +10,7 @@ from pagedcore.model_loader import ModelNotFoundError
 
 BLOCK = 8
 MAX_MODEL_LEN = 64
-ENGINE = dict(block_size=BLOCK, num_threads=1)
+ENGINE = dict(block_size=BLOCK)
 VOCAB = 49152  # the tiny model's
 
 

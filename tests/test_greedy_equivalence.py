@@ -29,6 +29,7 @@ def smollm2_reference(smollm2_dir, chat_prompt_ids):
 
 
 def run_engine(model_dir, prompts, max_new, **settings):
+    settings.setdefault("num_kv_blocks", 512)
     llm = LLM(str(model_dir), dtype="float32", **settings)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_new, logprobs=5), use_tqdm=False)
     kv = llm.engine.kv
