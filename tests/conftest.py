@@ -8,6 +8,10 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# No GPU here: Triton kernels run in Triton's interpreter, which must be chosen before anything
+# (transformers loads triton while loading a model) imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
