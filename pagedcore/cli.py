@@ -58,7 +58,9 @@ def cmd_generate(args) -> int:
             for o in r.outputs:
                 print(f"### {prompt}\n{o.text}\n")
     print(f"[pagedcore] {len(prompts)} prompt(s), {n_tokens} tokens in {gen_s:.2f} s "
-          f"({n_tokens / gen_s:.1f} tok/s); engine start {load_s:.2f} s", file=sys.stderr)
+          f"({n_tokens / gen_s:.1f} tok/s); engine start {load_s:.2f} s; "
+          f"KV cache {llm.engine.kv.num_blocks} blocks = {llm.engine.kv.num_blocks * args.block_size} tokens",
+          file=sys.stderr)
     return 0
 
 
