@@ -69,3 +69,21 @@ def test_tiny_architectures_greedy_equal_transformers(arch, tiny_model_dir):
     for out, (ref, ref_lps) in zip(outs, refs):
         o = out.outputs[0]
         assert_greedy_equal(o.token_ids, o.logprobs, ref, ref_lps)
+
+
+def test_smollm2_bf16_greedy_tracks_transformers_bf16(smollm2_dir, chat_prompt_ids):
+    """bf16 is the fast path on this CPU: its greedy text follows transformers' own bf16 generate(),
+    differing only where the two bf16 computations sit at a near-tie. bf16 logits of this model
+    (magnitude 8-32) are quantised in steps of 0.0625-0.125, so a near-tie here is two ulps."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = chat_prompt_ids[:3]
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.bfloat16)
+    with torch.inference_mode():
+        refs = [hf_greedy(model, p, 24) for p in prompts]
+    llm = LLM(str(smollm2_dir), dtype="bfloat16", num_kv_blocks=256)
+    assert llm.engine.model.dtype == torch.bfloat16 and llm.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, logprobs=5), use_tqdm=False)
+    for out, (ref, ref_lps) in zip(outs, refs):
+        o = out.outputs[0]
+        assert_greedy_equal(o.token_ids, o.logprobs, ref, ref_lps, tol=0.13)
