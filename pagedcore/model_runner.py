@@ -96,10 +96,10 @@ class ModelRunner:
             raise ValueError(f"KV cache budget too small for one block of {self.bytes_per_block()} bytes")
         shape = (num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
         device = device or self.device
-        # Zeros, not empty: batched paths read (masked) slots past a sequence's end, and 0 * NaN
-        # from uninitialised memory would poison the output.
-        caches = [(torch.zeros(shape, dtype=self.dtype, device=device),
-                   torch.zeros(shape, dtype=self.dtype, device=device)) for _ in range(s.num_layers)]
+        # torch.empty: pages are touched only as blocks are used, so start-up does not pay for the
+        # whole budget. Backends must never let unwritten slots (possibly NaN) reach an output.
+        caches = [(torch.empty(shape, dtype=self.dtype, device=device),
+                   torch.empty(shape, dtype=self.dtype, device=device)) for _ in range(s.num_layers)]
         logger.info("%s: %d blocks = %d tokens (%.1f MiB, block_size %d)", "KV cache" if main else "CPU swap space",
                     num_blocks, num_blocks * self.block_size, num_blocks * self.bytes_per_block() / 2**20,
                     self.block_size)
