@@ -12,10 +12,12 @@ but without a Python loop over decode sequences:
 * Prefill rows (query length > 1: prompts, chunks, prefix hits) go one sequence at a time through
   SDPA: their work is large per call, so the loop overhead is noise.
 
-Attention math: `torch.nn.functional.scaled_dot_product_attention` (with `enable_gqa`, and a
-boolean mask) -- on CPU it is a fused flash kernel that accumulates bf16/fp16 in fp32 and never
-materialises the GQA-expanded K/V. It has no softcap, so softcap layers take an explicit fp32
-matmul + softmax path. (Measured choices: see `python -m pagedcore.kernels.bench`.)
+Decode math: matmuls in the cache's dtype with an fp32 softmax, GQA heads folded into the rows
+(no expanded K/V). For bf16 on this CPU's AMX it is ~15x faster than SDPA's flash kernel with a
+mask at query length 1, whose per-row overhead dominates. Decode plans (gather indices, masks) are
+built once per step and reused by every layer. Prefill rows use SDPA (causal, or with a mask for
+prefix hits and windows); softcap layers take an explicit fp32 matmul + softmax path. (Measured
+choices: see `python -m pagedcore.kernels.bench`.)
 
 Cache slots past a sequence's length (the tail of its last block, padding blocks) may hold
 anything, NaN included (e.g. a `torch.empty` cache): they are zeroed in the gathered copy, since
@@ -23,6 +25,8 @@ even a fully masked score contributes 0 * NaN = NaN to the output.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -66,47 +70,80 @@ def _attend(q, k, v, mask, scale, softcap, use_sdpa=True):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def _decode_group(out, query, k_cache, v_cache, metadata, seqs, scale, sliding_window, softcap, use_sdpa):
-    block_size = k_cache.shape[1]
-    _, _, num_kv_heads, head_dim = k_cache.shape
+@dataclass
+class DecodePlan:
+    """One length bucket of decode rows, planned once per step and reused by every layer."""
+
+    rows: torch.Tensor  # query rows of these sequences
+    row_start: int | None  # set when the rows are contiguous (a pure-decode batch): no gather of q
+    blocks: torch.Tensor  # [n * num_blocks] cache blocks to gather
+    length: int  # num_blocks * block_size
+    pad_slots: torch.Tensor | None  # flat indices into [n * length] of slots past each sequence's end
+    hidden: torch.Tensor  # bool [n, 1, 1, length]: True = key not visible (padding, outside the window)
+
+
+def plan_decode(metadata: AttentionMetadata, seqs: list[int], sliding_window: int | None) -> DecodePlan:
+    block_size = metadata.block_size
     n = len(seqs)
-    device = query.device
+    device = metadata.block_table.device
     lens_list = [metadata.seq_lens_cpu[i] for i in seqs]
     window = sliding_window if sliding_window is not None and sliding_window > 0 else None
     # First block holding a visible key (with a sliding window, older blocks are never gathered).
     first = [max(0, length - window) // block_size if window else 0 for length in lens_list]
     num_blocks = max(-(-length // block_size) - f for length, f in zip(lens_list, first))
-
-    # One gather of whole blocks: [n * num_blocks, block_size, Hkv, D] -> [n, L, Hkv, D].
     seq_idx = torch.tensor(seqs, dtype=torch.long, device=device)
     cols = torch.tensor(first, dtype=torch.long, device=device)[:, None] + torch.arange(num_blocks, device=device)
     table = metadata.block_table
     blocks = table[seq_idx[:, None], cols.clamp(max=table.shape[1] - 1)].reshape(-1).long()
     length = num_blocks * block_size
-    k = torch.index_select(k_cache, 0, blocks).view(n, length, num_kv_heads, head_dim)
-    v = torch.index_select(v_cache, 0, blocks).view(n, length, num_kv_heads, head_dim)
-
     lens = torch.tensor(lens_list, dtype=torch.long, device=device)[:, None]
     pos = (cols[:, :, None] * block_size + torch.arange(block_size, device=device)).view(n, length)  # absolute
-    valid = pos < lens  # [n, L]
-    if not bool(valid.all()):
-        k[~valid] = 0  # touches only the padded slots
-        v[~valid] = 0
+    valid = pos < lens
     visible = valid & ((lens - 1 - pos) < window) if window else valid
-
+    pad_slots = None if bool(valid.all()) else (~valid).view(-1).nonzero().squeeze(1)
     rows_list = [metadata.query_start_loc_cpu[i] for i in seqs]
-    contiguous = rows_list == list(range(rows_list[0], rows_list[0] + n))  # e.g. a pure-decode batch
-    if contiguous:
-        q = query[rows_list[0] : rows_list[0] + n].unsqueeze(2)  # [n, Hq, 1, D], no copy
+    contiguous = rows_list == list(range(rows_list[0], rows_list[0] + n))
+    return DecodePlan(torch.tensor(rows_list, dtype=torch.long, device=device), rows_list[0] if contiguous else None,
+                      blocks, length, pad_slots, ~visible[:, None, None, :])
+
+
+def _gather(cache: torch.Tensor, plan: DecodePlan, n: int) -> torch.Tensor:
+    """Whole blocks of every sequence: [n, length, Hkv, D]; slots past the end zeroed (they may be NaN,
+    and even a fully masked key contributes 0 * NaN = NaN)."""
+    _, _, num_kv_heads, head_dim = cache.shape
+    x = torch.index_select(cache, 0, plan.blocks)
+    if plan.pad_slots is not None:
+        x.view(-1, num_kv_heads, head_dim).index_fill_(0, plan.pad_slots, 0)
+    return x.view(n, plan.length, num_kv_heads, head_dim)
+
+
+def _decode_native(q, k, v, hidden, scale, softcap):
+    """q [n, Hq, D], k/v [n, L, Hkv, D] -> [n, Hq, D] in q's dtype.
+
+    Matmuls in the cache dtype (bf16 on AMX: the fp32 casts alone cost more than the math), the
+    softmax in fp32. GQA folds the query heads of one KV head into the matmul's rows."""
+    n, length, hkv, d = k.shape
+    group = q.shape[1] // hkv
+    s = torch.matmul(q.view(n, hkv, group, d), k.permute(0, 2, 3, 1)).float().mul_(scale)  # [n, Hkv, G, L]
+    if softcap is not None and softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    s.masked_fill_(hidden, float("-inf"))
+    p = torch.softmax(s, dim=-1).to(v.dtype)
+    return torch.matmul(p, v.permute(0, 2, 1, 3)).view(n, hkv * group, d)
+
+
+def _decode_group(out, query, k_cache, v_cache, plan: DecodePlan, scale, softcap, use_sdpa):
+    n = plan.rows.numel()
+    k, v = _gather(k_cache, plan, n), _gather(v_cache, plan, n)
+    q = query[plan.row_start : plan.row_start + n] if plan.row_start is not None else query.index_select(0, plan.rows)
+    if use_sdpa:
+        o = _attend(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), ~plan.hidden, scale, softcap).squeeze(2)
     else:
-        rows = torch.tensor(rows_list, dtype=torch.long, device=device)
-        q = query.index_select(0, rows).unsqueeze(2)
-    o = _attend(q, k.transpose(1, 2), v.transpose(1, 2), visible[:, None, None, :], scale, softcap, use_sdpa)
-    o = o.squeeze(2).to(out.dtype)
-    if contiguous:
-        out[rows_list[0] : rows_list[0] + n] = o
+        o = _decode_native(q, k, v, plan.hidden, scale, softcap)
+    if plan.row_start is not None:
+        out[plan.row_start : plan.row_start + n] = o.to(out.dtype)
     else:
-        out.index_copy_(0, rows, o)
+        out.index_copy_(0, plan.rows, o.to(out.dtype))
 
 
 def _prefill_one(out, query, k_cache, v_cache, metadata, i, scale, sliding_window, softcap):
@@ -135,6 +172,17 @@ def _prefill_one(out, query, k_cache, v_cache, metadata, i, scale, sliding_windo
     out[start:end] = o[0].transpose(0, 1).to(out.dtype)
 
 
+def plan_decode_groups(metadata: AttentionMetadata, sliding_window: int | None) -> list[DecodePlan]:
+    qsl = metadata.query_start_loc_cpu
+    decode = [i for i in range(len(metadata.seq_lens_cpu)) if qsl[i + 1] - qsl[i] == 1]
+    if not decode:
+        return []
+    eff_lens = metadata.seq_lens_cpu
+    if sliding_window is not None and sliding_window > 0:
+        eff_lens = [min(length, sliding_window) for length in eff_lens]
+    return [plan_decode(metadata, group, sliding_window) for group in _bucket_by_length(decode, eff_lens)]
+
+
 def cpu_paged_attention(
     query: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -144,27 +192,27 @@ def cpu_paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     out: torch.Tensor | None = None,
-    use_sdpa: bool = True,
+    use_sdpa: bool = False,
+    plans: dict | None = None,
 ) -> torch.Tensor:
     """Paged varlen attention over the (already written) cache. Returns [T, Hq, D] in query's dtype.
 
-    Rows not owned by any sequence (padding tokens) are zero. `use_sdpa=False` runs decode rows
-    through the explicit fp32 matmul/softmax path instead (kept to benchmark the choice).
+    Rows not owned by any sequence (padding tokens) are zero. Decode rows go through the native-dtype
+    matmul path; `use_sdpa=True` sends them through SDPA instead (kept to benchmark the choice).
+    `plans`: a dict kept for one step, so the decode plans are built by the first layer only.
     """
     if out is None:
         out = torch.zeros_like(query) if metadata.query_start_loc_cpu[-1] < query.shape[0] else torch.empty_like(query)
     qsl = metadata.query_start_loc_cpu
-    decode: list[int] = []
     for i in range(len(metadata.seq_lens_cpu)):
-        q_len = qsl[i + 1] - qsl[i]
-        if q_len == 1:
-            decode.append(i)
-        elif q_len > 1:
+        if qsl[i + 1] - qsl[i] > 1:
             _prefill_one(out, query, k_cache, v_cache, metadata, i, scale, sliding_window, softcap)
-    if decode:
-        eff_lens = metadata.seq_lens_cpu
-        if sliding_window is not None and sliding_window > 0:
-            eff_lens = [min(length, sliding_window) for length in eff_lens]
-        for group in _bucket_by_length(decode, eff_lens):
-            _decode_group(out, query, k_cache, v_cache, metadata, group, scale, sliding_window, softcap, use_sdpa)
+    key = sliding_window if sliding_window is not None and sliding_window > 0 else None
+    groups = plans.get(key) if plans is not None else None
+    if groups is None:
+        groups = plan_decode_groups(metadata, sliding_window)
+        if plans is not None:
+            plans[key] = groups
+    for plan in groups:
+        _decode_group(out, query, k_cache, v_cache, plan, scale, softcap, use_sdpa)
     return out

@@ -6,6 +6,8 @@ rows batched into one block-granular gather + SDPA, prefill rows through SDPA pe
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from pagedcore.attention.backend import AttentionBackend, AttentionMetadata
@@ -18,10 +20,22 @@ def write_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
+@dataclass
+class TorchAttentionMetadata:
+    common: AttentionMetadata
+    decode_plans: dict = field(default_factory=dict)  # sliding window -> plans, filled by the first layer
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, query, key, value, k_cache, v_cache, metadata: AttentionMetadata, scale,
+    def build_metadata(self, common: AttentionMetadata) -> TorchAttentionMetadata:
+        return TorchAttentionMetadata(common)
+
+    def forward(self, query, key, value, k_cache, v_cache, metadata, scale,
                 sliding_window=None, softcap=None) -> torch.Tensor:
-        write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
-        return cpu_paged_attention(query, k_cache, v_cache, metadata, scale, sliding_window, softcap)
+        if isinstance(metadata, AttentionMetadata):  # called without build_metadata (tests, plugins)
+            metadata = TorchAttentionMetadata(metadata)
+        write_kv_cache(key, value, k_cache, v_cache, metadata.common.slot_mapping)
+        return cpu_paged_attention(query, k_cache, v_cache, metadata.common, scale, sliding_window, softcap,
+                                   plans=metadata.decode_plans)
