@@ -30,6 +30,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
+    quantization: str | None = None  # None | "int4": weight-only int4 linears (CPU; single-stream speed)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -38,6 +39,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
+        if self.quantization not in (None, "int4"):
+            raise ValueError(f"quantization must be None or 'int4', got {self.quantization!r}")
         if not 0 < self.kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
 

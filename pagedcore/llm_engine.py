@@ -62,6 +62,11 @@ class LLMEngine:
         self.device = self.config.torch_device()
         self.dtype = self.config.torch_dtype(self.device)
         self.model, self.tokenizer = hook.pagedcore_load_model(config=self.config)
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        if self.config.quantization == "int4":
+            from pagedcore.quantization import quantize_int4
+
+            logger.info("int4 weights: %d linear layers", quantize_int4(self.model, self.device))
         backend = hook.pagedcore_attention_backend(name=self.config.attention_backend, device=self.device)
         if backend is None:
             raise ValueError(f"no attention backend {self.config.attention_backend!r} for {self.device}")
@@ -77,7 +82,6 @@ class LLMEngine:
         self.logits_processors = [p for ps in hook.pagedcore_logits_processors(config=self.config) for p in ps]
         self.max_model_len = self.config.max_model_len or self.runner.shape.max_position_embeddings
         self.eos_token_ids = self._eos_token_ids()
-        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.requests: dict[str, RequestState] = {}
         self.output_processor = OutputProcessor(self.tokenizer)
         self._seq_counter = itertools.count()

@@ -427,7 +427,7 @@ def test_encoder_decoder_model_falls_back():
 
 # ---- the benchmark -------------------------------------------------------------------------------------
 def test_benchmark_smoke(tiny_model_dir, tmp_path):
-    from pagedcore.benchmark_hf import main
+    from pagedcore.bench.hf_generate import main
 
     out = tmp_path / "bench.json"
     assert main(["--model", str(tiny_model_dir("llama")), "--num-prompts", "4", "--max-new-tokens", "8",

@@ -1,4 +1,4 @@
-"""`python -m pagedcore.benchmark_hf`: one `model.generate()` call, transformers' own vs patched by pagedcore.
+"""`python -m pagedcore.bench.hf_generate`: one `model.generate()` call, transformers' own vs patched by pagedcore.
 
 Workload (seeded): `--num-prompts` chat prompts drawn from templates whose natural answers differ in
 length (a one-word rhyme, a capital city, a list, a poem, a detailed explanation), chat-templated and

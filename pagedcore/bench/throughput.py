@@ -1,169 +1,230 @@
-"""`pagedcore bench throughput`: offline throughput of the engine against peers measured in the same run."""
+"""`pagedcore bench throughput`: offline throughput of the engine and its peers, one workload, one run.
+
+pagedcore runs in this process; each peer runs in its own virtualenv (peers.py). Besides throughput,
+the run measures what the performance targets need on the same machine at the same time: the
+matmul roofline, single-stream decode latency (pagedcore vs llama.cpp), cold start, and KV waste.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import platform
-import random
+import sys
 import time
 from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 
-
-@dataclass
-class Workload:
-    num_prompts: int = 64
-    input_len: tuple[int, int] = (32, 256)
-    output_len: tuple[int, int] = (16, 128)
-    seed: int = 0
-
-    def make(self, vocab_size: int) -> tuple[list[list[int]], list[int]]:
-        """Random token-id prompts and exact output lengths (EOS ignored), seeded."""
-        rng = random.Random(self.seed)
-        prompts = [[rng.randrange(100, vocab_size) for _ in range(rng.randint(*self.input_len))]
-                   for _ in range(self.num_prompts)]
-        outputs = [rng.randint(*self.output_len) for _ in range(self.num_prompts)]
-        return prompts, outputs
+from pagedcore.bench import latency, roofline
+from pagedcore.bench.memory import WasteTrace, kv_snapshot
+from pagedcore.hookspecs import hookimpl
+from pagedcore.bench.peers import parse_peers, run_peer
+from pagedcore.bench.workload import Workload
 
 
 @dataclass
 class Result:
     engine: str
+    peer: str
     seconds: float
     num_requests: int
     input_tokens: int
     output_tokens: int
 
-    @property
-    def output_tok_s(self) -> float:
-        return self.output_tokens / self.seconds
-
     def row(self) -> dict:
         d = asdict(self)
-        d.update(output_tok_s=round(self.output_tok_s, 2),
+        d.update(output_tok_s=round(self.output_tokens / self.seconds, 2),
                  total_tok_s=round((self.input_tokens + self.output_tokens) / self.seconds, 2),
                  requests_s=round(self.num_requests / self.seconds, 3))
         return d
 
 
-def run_pagedcore(prompts, out_lens, settings: dict) -> Result:
+class WasteMeter:
+    """Step-end plugin: KV waste over the run, counted as `bench memory` counts it (per physical block)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.reset()
+
+    def reset(self) -> None:
+        self.trace = WasteTrace(self.engine.config.block_size, self.engine.max_model_len)
+
+    @hookimpl
+    def pagedcore_step_end(self, stats) -> None:
+        self.trace.add(kv_snapshot(self.engine))
+
+
+def run_pagedcore(prompts, out_lens, settings: dict) -> tuple[Result, object, float]:
     from pagedcore import LLM, SamplingParams
 
     llm = LLM(**settings)
+    meter = WasteMeter(llm.engine)
+    llm.engine.pm.register(meter)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    meter.reset()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     dt = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return Result("pagedcore", dt, len(prompts), sum(map(len, prompts)), n_out)
+    return Result("pagedcore", "pagedcore", dt, len(prompts), sum(map(len, prompts)), n_out), llm, meter.trace.mean_pct
 
 
-def run_hf_loop(prompts, out_lens, model_dir: str, dtype) -> Result:
-    """transformers generate(), one request at a time (what a plain HF user writes)."""
+def peer_row(result: dict) -> dict:
+    if "skipped" in result:
+        return result
+    r = Result(result["engine"], result["peer"], result["seconds"], result["num_requests"],
+               result["input_tokens"], result["output_tokens"]).row()
+    r["environment"] = result.get("environment")
+    return r
+
+
+def targets(report: dict) -> list[dict]:
+    """The issue's performance targets, each with its measured value (absent peers: not assessed)."""
+    ratios, rows = report["ratios"], []
+
+    def add(name, value, target, met):
+        rows.append({"name": name, "value": None if value is None else round(value, 3), "target": target,
+                     "met": None if value is None else bool(met)})
+
+    for peer, need in (("vllm", 1.5), ("hf-static", 10.0), ("hf-cb", 1.5)):
+        v = ratios.get(peer)
+        add(f"output tok/s vs {peer}", v, f">= {need}x", v is not None and v >= need)
+    roof = report.get("roofline", {}).get("fraction")
+    add("fraction of bf16 matmul roofline", roof, ">= 0.5", roof is not None and roof >= 0.5)
+    single = {r["peer"]: r for r in report.get("single_stream", []) if "tpot_s" in r}
+    for ours in ("pagedcore", "pagedcore-int4"):
+        ratio = single[ours]["tpot_s"] / single["llama-cpp"]["tpot_s"] if {ours, "llama-cpp"} <= set(single) else None
+        add(f"single-stream TPOT {ours} / llama.cpp's", ratio, "<= 1.5x", ratio is not None and ratio <= 1.5)
+    cold = report.get("cold_start_s")
+    add("cold start to first token (s)", cold, "< 5 s", cold is not None and cold < 5)
+    waste = report.get("kv_waste_pct")
+    add("KV waste (% of allocated slots)", waste, "< 4%", waste is not None and waste < 4)
+    return rows
+
+
+def print_report(report: dict) -> None:
+    w = report["workload"]
+    print(f"\nworkload: {w['num_prompts']} prompts, input {w['input_len']}, output {w['output_len']} tokens, "
+          f"seed {w['seed']}; dtype {report['dtype']}; torch threads {report['machine']['threads']}")
+    base = report["results"][0]["output_tok_s"]
+    print(f"{'engine':44s} {'out tok/s':>10s} {'total tok/s':>12s} {'req/s':>8s} {'pagedcore x':>12s}")
+    for r in report["results"]:
+        if "skipped" in r:
+            print(f"{r['engine']:44s} skipped: {r['skipped']}")
+            continue
+        print(f"{r['engine']:44s} {r['output_tok_s']:10.1f} {r['total_tok_s']:12.1f} {r['requests_s']:8.2f} "
+              f"{base / r['output_tok_s']:12.2f}")
+    for r in report.get("single_stream", []):
+        if "skipped" in r:
+            print(f"single stream {r['engine']}: skipped: {r['skipped']}")
+        else:
+            print(f"single stream {r['engine']}: TTFT {r['ttft_s'] * 1e3:.1f} ms, TPOT {r['tpot_s'] * 1e3:.2f} ms")
+    if "roofline" in report:
+        rf = report["roofline"]
+        print(f"roofline: matmul {rf['matmul_tflops']:.2f} TFLOP/s; pagedcore {rf['achieved_tflops']:.3f} TFLOP/s "
+              f"= {100 * rf['fraction']:.1f}% ({rf['model_gflop_per_token']:.3f} GFLOP/token)")
+    for t in report.get("targets", []):
+        state = "n/a" if t["met"] is None else "met" if t["met"] else "NOT met"
+        print(f"target {t['name']}: {t['value']} (want {t['target']}): {state}")
+
+
+def main(args) -> int:
     import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    gen = dict(do_sample=False, pad_token_id=model.config.eos_token_id)
-    with torch.inference_mode():
-        model.generate(torch.tensor([prompts[0]]), max_new_tokens=2, min_new_tokens=2, **gen)  # warm-up
-        t0 = time.perf_counter()
-        n_out = 0
-        for p, n in zip(prompts, out_lens):
-            out = model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, **gen)
-            n_out += out.shape[1] - len(p)
-        dt = time.perf_counter() - t0
-    return Result("transformers generate() one by one", dt, len(prompts), sum(map(len, prompts)), n_out)
-
-
-def throughput(args) -> int:
-    import torch
-
-    from pagedcore.model_loader import resolve_model_dir
-
-    model_dir = str(resolve_model_dir(args.model))
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     from transformers import AutoConfig
 
+    from pagedcore.model_loader import bundled_gguf_path, resolve_model_dir
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    threads = torch.get_num_threads()
+    peers = parse_peers(args.peers)
+    model_dir = str(resolve_model_dir(args.model))
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     wl = Workload(args.num_prompts, (args.input_min, args.input_max), (args.output_min, args.output_max), args.seed)
     prompts, out_lens = wl.make(vocab)
-    results = [run_pagedcore(prompts, out_lens, dict(model=model_dir, dtype=args.dtype,
-                                                     max_num_seqs=args.max_num_seqs))]
-    peers = set(args.peers.split(",")) if args.peers else set()
-    if "hf-loop" in peers or "all" in peers:
-        results.append(run_hf_loop(prompts, out_lens, model_dir, dtype))
-    base = results[0]
-    print(f"\nworkload: {asdict(wl)}, dtype {args.dtype}, torch threads {torch.get_num_threads()}")
-    print(f"{'engine':40s} {'out tok/s':>10s} {'total tok/s':>12s} {'req/s':>8s} {'pagedcore x':>12s}")
-    for r in results:
-        row = r.row()
-        print(f"{r.engine:40s} {row['output_tok_s']:10.1f} {row['total_tok_s']:12.1f} {row['requests_s']:8.2f} "
-              f"{base.output_tok_s / r.output_tok_s:12.2f}")
+    dtype = getattr(torch, args.dtype)
+
+    report = {"bench": "throughput", "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
+                          "threads": threads, "arch": platform.machine()},
+              "model": args.model or "SmolLM2-135M-Instruct (bundled)", "dtype": args.dtype, "workload": asdict(wl)}
+    if args.roofline:
+        tflops = roofline.matmul_tflops(dtype)
+    settings = dict(model=model_dir, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                    max_num_batched_tokens=args.max_num_batched_tokens)
+    ours, llm, waste = run_pagedcore(prompts, out_lens, settings)
+    report["results"] = [ours.row()]
+    report["kv_waste_pct"] = round(waste, 3)
+    if args.roofline:
+        gflop, achieved = roofline.achieved(llm.engine.model, ours.input_tokens, ours.output_tokens, ours.seconds)
+        per_token = sum(roofline.model_flops(llm.engine.model)) / 1e9
+        report["roofline"] = {"matmul_tflops": tflops, "model_gflop_per_token": per_token,
+                              "achieved_tflops": achieved, "fraction": achieved / tflops}
+    stream_prompt, stream_len = prompts[0][:args.stream_input], args.stream_output
+    single = [latency.single_stream(llm.engine, stream_prompt, stream_len)] if args.single_stream else []
+    del llm
+    if args.single_stream and args.int4_stream:
+        single.append(latency.single_stream_int4(settings, stream_prompt, stream_len))
+
+    spec = {"model_dir": model_dir, "dtype": args.dtype, "threads": threads, "prompts": prompts,
+            "output_lens": out_lens, "mode": "throughput", "options": {"batch_size": args.hf_batch_size}}
+    try:
+        spec["gguf_path"] = str(bundled_gguf_path()) if args.model is None else None
+    except FileNotFoundError:
+        spec["gguf_path"] = None
+    for peer in peers:
+        if peer.name == "llama-cpp" and not spec["gguf_path"]:
+            report["results"].append({"engine": peer.label, "peer": peer.name, "skipped": "needs the bundled GGUF"})
+            continue
+        report["results"].append(peer_row(run_peer(peer, spec, timeout=args.peer_timeout)))
+        if peer.name == "llama-cpp" and args.single_stream:
+            stream_spec = dict(spec, mode="single_stream", prompts=[stream_prompt], output_lens=[stream_len])
+            single.append(run_peer(peer, stream_spec, timeout=args.peer_timeout))
+    report["single_stream"] = single
+    report["ratios"] = {r["peer"]: round(ours.row()["output_tok_s"] / r["output_tok_s"], 3)
+                        for r in report["results"][1:] if "output_tok_s" in r}
+    if args.cold_start:
+        report["cold_start_s"] = round(latency.cold_start(args.model, args.dtype), 3)
+    report["targets"] = targets(report)
+    print_report(report)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"workload": asdict(wl), "dtype": args.dtype, "machine": platform.machine(),
-                       "torch_threads": torch.get_num_threads(), "results": [r.row() for r in results]}, f, indent=2)
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}", file=sys.stderr)
     return 0
 
 
-def prefix(args) -> int:
-    """Time to first token with a shared system prompt: prefix cache off vs on (warm)."""
-    import statistics
-
-    from pagedcore import LLM, SamplingParams
-    from pagedcore.model_loader import resolve_model_dir
-
-    model_dir = str(resolve_model_dir(args.model))
-    params = SamplingParams(temperature=0, max_tokens=1)
-    rows = {}
-    for caching in (False, True):
-        llm = LLM(model_dir, dtype=args.dtype, enable_prefix_caching=caching, num_kv_blocks=args.num_kv_blocks)
-        tok = llm.get_tokenizer()
-        system = " ".join(["The assistant answers briefly and precisely."] * (args.system_tokens // 7))
-        base = tok.encode(system)[:args.system_tokens]
-
-        def prompt(i):
-            return base + tok.encode(f" Question {i}: what is {i} plus {i}?")
-
-        llm.generate([prompt(-1)], params, use_tqdm=False)  # warm-up (fills the cache when on)
-        ttft = []
-        for i in range(args.num_requests):  # one at a time: TTFT without queueing
-            out = llm.generate([prompt(i)], params, use_tqdm=False)[0]
-            ttft.append(out.metrics.time_to_first_token)
-        rows["on" if caching else "off"] = statistics.median(ttft)
-    speedup = rows["off"] / rows["on"]
-    print(f"shared system prompt {args.system_tokens} tokens, {args.num_requests} requests, dtype {args.dtype}")
-    print(f"median TTFT: prefix cache off {rows['off'] * 1e3:.1f} ms, on (warm) {rows['on'] * 1e3:.1f} ms, "
-          f"speed-up {speedup:.1f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"system_tokens": args.system_tokens, "ttft_off_s": rows["off"], "ttft_on_s": rows["on"],
-                       "speedup": speedup, "dtype": args.dtype}, f, indent=2)
-    return 0
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
 
 
-def add_parser(sub) -> None:
-    b = sub.add_parser("bench", help="benchmarks against peers measured in the same run")
-    bsub = b.add_subparsers(dest="bench_command", required=True)
-    t = bsub.add_parser("throughput", help="offline throughput on random token-id prompts")
-    t.add_argument("--model", default=None)
-    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+def add_parser(bsub) -> None:
+    t = bsub.add_parser("throughput", help="offline throughput on random token-id prompts, against peers")
+    t.add_argument("--model", default=None, help="HF dir or GGUF (default: the bundled SmolLM2)")
+    t.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     t.add_argument("--num-prompts", type=int, default=64)
     t.add_argument("--input-min", type=int, default=32)
     t.add_argument("--input-max", type=int, default=256)
     t.add_argument("--output-min", type=int, default=16)
     t.add_argument("--output-max", type=int, default=128)
-    t.add_argument("--max-num-seqs", type=int, default=128)
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--peers", default="", help="comma list: hf-loop, all")
+    t.add_argument("--max-num-seqs", type=int, default=128)
+    t.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    t.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
+    t.add_argument("--peers", default="", help="comma list of hf-static, hf-cb, vllm, llama-cpp, or all")
+    t.add_argument("--hf-batch-size", type=int, default=32, help="batch size of the hf-static peer")
+    t.add_argument("--peer-timeout", type=float, default=3600)
+    t.add_argument("--no-roofline", dest="roofline", action="store_false")
+    t.add_argument("--no-single-stream", dest="single_stream", action="store_false")
+    t.add_argument("--stream-input", type=int, default=128, help="single-stream prompt tokens")
+    t.add_argument("--stream-output", type=int, default=128, help="single-stream output tokens")
+    t.add_argument("--no-int4-stream", dest="int4_stream", action="store_false",
+                   help="skip the single-stream run with int4 weights (the 4-bit comparison with llama.cpp)")
+    t.add_argument("--no-cold-start", dest="cold_start", action="store_false")
     t.add_argument("--json", default=None, help="write results here")
-    t.set_defaults(func=throughput)
-    p = bsub.add_parser("prefix", help="TTFT with a shared system prompt, prefix cache off vs on")
-    p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--system-tokens", type=int, default=1000)
-    p.add_argument("--num-requests", type=int, default=8)
-    p.add_argument("--num-kv-blocks", type=int, default=512)
-    p.add_argument("--json", default=None)
-    p.set_defaults(func=prefix)
+    t.set_defaults(func=main)

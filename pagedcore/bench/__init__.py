@@ -1,0 +1,16 @@
+"""`pagedcore bench ...`: benchmarks of the engine against peer engines measured in the same run.
+
+throughput (offline, with peers), serve (online, Poisson, through the front doors), memory (KV waste,
+concurrency, sharing), prefix (TTFT with a shared prompt), plot and report (PNG, README table from JSON).
+"""
+
+from __future__ import annotations
+
+
+def add_parser(sub) -> None:
+    from pagedcore.bench import memory, plot, prefix, report, serve, throughput
+
+    b = sub.add_parser("bench", help="benchmarks against peers measured in the same run")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    for module in (throughput, serve, memory, prefix, plot, report):
+        module.add_parser(bsub)

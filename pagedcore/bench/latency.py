@@ -1,0 +1,50 @@
+"""Single-stream decode latency and cold start of the engine itself."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+
+def single_stream(engine, prompt: list[int], max_tokens: int) -> dict:
+    """One request alone in the engine, stepped by hand: TTFT and time per output token after the first."""
+    from pagedcore import SamplingParams
+
+    rid = engine.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    times, seen, t0 = [], 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid and len(out.outputs[0].token_ids) > seen:
+                seen = len(out.outputs[0].token_ids)
+                times.append(time.perf_counter())
+    tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
+    return {"engine": "pagedcore", "peer": "pagedcore", "ttft_s": times[0] - t0, "tpot_s": tpot,
+            "output_tokens": seen}
+
+
+def single_stream_int4(settings: dict, prompt: list[int], max_tokens: int) -> dict:
+    """The same, on an engine with int4 weights (what llama.cpp runs on the bundled Q4_1 GGUF)."""
+    from pagedcore import LLMEngine
+
+    row = single_stream(LLMEngine(**dict(settings, quantization="int4")), prompt, max_tokens)
+    return dict(row, engine="pagedcore (int4 weights)", peer="pagedcore-int4")
+
+
+COLD_START = """
+import time, sys
+t0 = float(sys.argv[1])
+from pagedcore import LLM, SamplingParams
+llm = LLM(sys.argv[2] or None, dtype=sys.argv[3])
+llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+print(time.time() - t0)
+"""
+
+
+def cold_start(model: str | None, dtype: str) -> float:
+    """Seconds from starting a fresh Python process to the first generated token (imports included;
+    the GGUF conversion cache is assumed warm, as after the first run on a machine)."""
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-c", COLD_START, repr(t0), model or "", dtype],
+                         capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])

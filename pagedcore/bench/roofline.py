@@ -1,0 +1,45 @@
+"""The machine's matmul ceiling, measured in the same run, and the model's FLOPs per token.
+
+The ceiling is the best of a few large matmuls through torch in the benchmark's dtype (on this
+CPU, bf16 goes through AMX). Model FLOPs count the weight matmuls only (2 per parameter per
+token; the LM head only for tokens whose logits are computed); attention's own FLOPs are left
+out, so the achieved fraction is a lower bound.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+SHAPES = [(2048, 576, 1536), (2048, 1536, 576), (4096, 1024, 1024), (2048, 2048, 2048)]
+
+
+def matmul_tflops(dtype: torch.dtype, shapes=SHAPES, seconds: float = 0.5) -> float:
+    best = 0.0
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        torch.matmul(a, b)  # warm-up (first call picks and prepares the kernel)
+        reps, t0 = 0, time.perf_counter()
+        while (dt := time.perf_counter() - t0) < seconds:
+            torch.matmul(a, b)
+            reps += 1
+        best = max(best, 2 * m * k * n * reps / dt / 1e12)
+    return best
+
+
+def model_flops(model) -> tuple[float, float]:
+    """(FLOPs per token through the decoder's weights, FLOPs per token of the LM head)."""
+    head = model.get_output_embeddings().weight
+    embed = model.get_input_embeddings().weight
+    decoder = sum(p.numel() for p in model.parameters()) - embed.numel()
+    if head.data_ptr() != embed.data_ptr():  # untied head is counted separately below
+        decoder -= head.numel()
+    return 2.0 * decoder, 2.0 * head.numel()
+
+
+def achieved(model, input_tokens: int, output_tokens: int, seconds: float) -> tuple[float, float]:
+    """(total GFLOP, achieved TFLOP/s) for a run: every token through the decoder, the head per output token."""
+    per_token, head = model_flops(model)
+    total = per_token * (input_tokens + output_tokens) + head * output_tokens
+    return total / 1e9, total / seconds / 1e12
