@@ -80,6 +80,7 @@ class DecodePlan:
     length: int  # num_blocks * block_size
     pad_slots: torch.Tensor | None  # flat indices into [n * length] of slots past each sequence's end
     hidden: torch.Tensor  # bool [n, 1, 1, length]: True = key not visible (padding, outside the window)
+    hidden_by_head: torch.Tensor | None = None  # see _cross_head_hidden
 
 
 def plan_decode(metadata: AttentionMetadata, seqs: list[int], sliding_window: int | None) -> DecodePlan:
@@ -107,39 +108,54 @@ def plan_decode(metadata: AttentionMetadata, seqs: list[int], sliding_window: in
                       blocks, length, pad_slots, ~visible[:, None, None, :])
 
 
-def _gather(cache: torch.Tensor, plan: DecodePlan, n: int) -> torch.Tensor:
-    """Whole blocks of every sequence: [n, length, Hkv, D]; slots past the end zeroed (they may be NaN,
-    and even a fully masked key contributes 0 * NaN = NaN)."""
+def _gather(cache: torch.Tensor, plan: DecodePlan, n: int, zero_padding: bool) -> torch.Tensor:
+    """Whole blocks of every sequence: [n, length, Hkv, D]. Values need their slots past the end zeroed
+    (they may be NaN, and even a weight of 0 gives 0 * NaN = NaN); keys need not, since their scores
+    are overwritten by the mask."""
     _, _, num_kv_heads, head_dim = cache.shape
     x = torch.index_select(cache, 0, plan.blocks)
-    if plan.pad_slots is not None:
+    if zero_padding and plan.pad_slots is not None:
         x.view(-1, num_kv_heads, head_dim).index_fill_(0, plan.pad_slots, 0)
     return x.view(n, plan.length, num_kv_heads, head_dim)
 
 
-def _decode_native(q, k, v, hidden, scale, softcap):
+def _cross_head_hidden(plan: DecodePlan, num_q_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """bool [n, Hq, length * Hkv]: the scores `_decode_native` must hide -- keys of other KV heads
+    (GQA) and the plan's hidden keys. Built once per plan (the first layer) and kept on it."""
+    if plan.hidden_by_head is None:
+        device = plan.hidden.device
+        col_head = torch.arange(plan.length * num_kv_heads, device=device) % num_kv_heads
+        row_head = torch.arange(num_q_heads, device=device) // (num_q_heads // num_kv_heads)
+        n = plan.hidden.shape[0]
+        hidden = plan.hidden.view(n, plan.length, 1).expand(n, plan.length, num_kv_heads).reshape(n, 1, -1)
+        plan.hidden_by_head = (row_head[:, None] != col_head[None, :])[None] | hidden
+    return plan.hidden_by_head
+
+
+def _decode_native(q, k, v, hidden_by_head, scale, softcap):
     """q [n, Hq, D], k/v [n, L, Hkv, D] -> [n, Hq, D] in q's dtype.
 
-    Matmuls in the cache dtype (bf16 on AMX: the fp32 casts alone cost more than the math), the
-    softmax in fp32. GQA folds the query heads of one KV head into the matmul's rows."""
+    Matmuls in the cache dtype (bf16 on AMX: fp32 casts alone cost more than the math), softmax in
+    fp32. Every query head is scored against the keys of all KV heads, laid out as gathered
+    ([n, L * Hkv, D], contiguous): Hkv times the (tiny) FLOPs, but no transposed copy of K and V,
+    which cost more. Other heads' scores are masked to -inf, so their weights are exactly 0."""
     n, length, hkv, d = k.shape
-    group = q.shape[1] // hkv
-    s = torch.matmul(q.view(n, hkv, group, d), k.permute(0, 2, 3, 1)).float().mul_(scale)  # [n, Hkv, G, L]
+    s = torch.bmm(q, k.view(n, length * hkv, d).transpose(1, 2)).float().mul_(scale)  # [n, Hq, L * Hkv]
     if softcap is not None and softcap > 0:
         s = softcap * torch.tanh(s / softcap)
-    s.masked_fill_(hidden, float("-inf"))
+    s.masked_fill_(hidden_by_head, float("-inf"))
     p = torch.softmax(s, dim=-1).to(v.dtype)
-    return torch.matmul(p, v.permute(0, 2, 1, 3)).view(n, hkv * group, d)
+    return torch.bmm(p, v.view(n, length * hkv, d))
 
 
 def _decode_group(out, query, k_cache, v_cache, plan: DecodePlan, scale, softcap, use_sdpa):
     n = plan.rows.numel()
-    k, v = _gather(k_cache, plan, n), _gather(v_cache, plan, n)
+    k, v = _gather(k_cache, plan, n, zero_padding=use_sdpa), _gather(v_cache, plan, n, zero_padding=True)
     q = query[plan.row_start : plan.row_start + n] if plan.row_start is not None else query.index_select(0, plan.rows)
     if use_sdpa:
         o = _attend(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), ~plan.hidden, scale, softcap).squeeze(2)
     else:
-        o = _decode_native(q, k, v, plan.hidden, scale, softcap)
+        o = _decode_native(q, k, v, _cross_head_hidden(plan, q.shape[1], k.shape[2]), scale, softcap)
     if plan.row_start is not None:
         out[plan.row_start : plan.row_start + n] = o.to(out.dtype)
     else:
