@@ -5,8 +5,10 @@
 Rows, per device and dtype:
   naive-sdpa     gather every sequence's context through its block table in a Python loop into a
                  padded [B, Hkv, L, D] batch, then one masked SDPA call (what you write first);
-  cpu-paged      `cpu_paged_attention` (one block-granular index_select, native-dtype matmuls,
-                 fp32 softmax);
+  cpu-paged      `cpu_paged_attention` as the CPU backend runs it: decode rows through the C++
+                 kernel (reads K/V in place through the block table; kernels/cpu_ext.py);
+  cpu-paged-torch its pure-torch path (one block-granular index_select, native-dtype matmuls,
+                 fp32 softmax), used when the C++ kernel cannot be built;
   cpu-paged-sdpa the same gather with masked SDPA for the math (the alternative measured);
   triton-decode  (CUDA only) the split-K Triton decode kernel, with achieved GB/s of K/V traffic
                  against the device's copy bandwidth (a big `copy_`, bytes read + written).
@@ -140,6 +142,7 @@ def run(shapes: list[str], repeats: int, dtypes=(torch.float32, torch.bfloat16))
                 impls = {
                     "naive-sdpa": lambda: naive_sdpa_decode(q, kc, vc, md, scale),
                     "cpu-paged": lambda: cpu_paged_attention(q, kc, vc, md, scale),
+                    "cpu-paged-torch": lambda: cpu_paged_attention(q, kc, vc, md, scale, use_ext=False),
                     "cpu-paged-sdpa": lambda: cpu_paged_attention(q, kc, vc, md, scale, use_sdpa=True),
                 }
                 if device == "cuda":

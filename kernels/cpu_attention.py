@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedcore.attention.backend import AttentionMetadata
+from pagedcore.kernels import cpu_ext
 
 
 def _bucket_by_length(idx: list[int], lens: list[int], ratio: float = 2.0, floor: int = 128) -> list[list[int]]:
@@ -188,6 +189,33 @@ def _prefill_one(out, query, k_cache, v_cache, metadata, i, scale, sliding_windo
     out[start:end] = o[0].transpose(0, 1).to(out.dtype)
 
 
+@dataclass
+class ExtDecodePlan:
+    """All decode rows of the step for the C++ kernel: it reads blocks in place, so no buckets."""
+
+    rows: torch.Tensor  # int64 [n] query rows
+    block_table: torch.Tensor  # int32 [n, max_blocks], contiguous
+    seq_lens: torch.Tensor  # int32 [n]
+
+
+def plan_ext_decode(metadata: AttentionMetadata) -> ExtDecodePlan | None:
+    qsl = metadata.query_start_loc_cpu
+    decode = [i for i in range(len(metadata.seq_lens_cpu)) if qsl[i + 1] - qsl[i] == 1]
+    if not decode:
+        return None
+    idx = torch.tensor(decode, dtype=torch.long)
+    return ExtDecodePlan(torch.tensor([qsl[i] for i in decode], dtype=torch.long),
+                         metadata.block_table.index_select(0, idx).to(torch.int32).contiguous(),
+                         torch.tensor([metadata.seq_lens_cpu[i] for i in decode], dtype=torch.int32))
+
+
+def _decode_ext(ext, out, query, k_cache, v_cache, plan: ExtDecodePlan, scale, sliding_window, softcap) -> None:
+    window = sliding_window if sliding_window is not None and sliding_window > 0 else 0
+    o = ext.paged_decode(query, plan.rows, k_cache, v_cache, plan.block_table, plan.seq_lens, scale, window,
+                         softcap if softcap is not None and softcap > 0 else 0.0)
+    out.index_copy_(0, plan.rows, o.to(out.dtype))
+
+
 def plan_decode_groups(metadata: AttentionMetadata, sliding_window: int | None) -> list[DecodePlan]:
     qsl = metadata.query_start_loc_cpu
     decode = [i for i in range(len(metadata.seq_lens_cpu)) if qsl[i + 1] - qsl[i] == 1]
@@ -210,11 +238,14 @@ def cpu_paged_attention(
     out: torch.Tensor | None = None,
     use_sdpa: bool = False,
     plans: dict | None = None,
+    use_ext: bool = True,
 ) -> torch.Tensor:
     """Paged varlen attention over the (already written) cache. Returns [T, Hq, D] in query's dtype.
 
     Rows not owned by any sequence (padding tokens) are zero. Decode rows go through the native-dtype
     matmul path; `use_sdpa=True` sends them through SDPA instead (kept to benchmark the choice).
+    With `use_ext` (default) and the C++ kernel built (cpu_ext.py), decode rows go to it instead:
+    it reads K/V in place through the block table, with no gathered copy.
     `plans`: a dict kept for one step, so the decode plans are built by the first layer only.
     """
     if out is None:
@@ -223,6 +254,16 @@ def cpu_paged_attention(
     for i in range(len(metadata.seq_lens_cpu)):
         if qsl[i + 1] - qsl[i] > 1:
             _prefill_one(out, query, k_cache, v_cache, metadata, i, scale, sliding_window, softcap)
+    ext = cpu_ext.load() if use_ext and query.device.type == "cpu" and not use_sdpa else None
+    if ext is not None and query.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous():
+        plan = plans.get("ext", False) if plans is not None else False
+        if plan is False:
+            plan = plan_ext_decode(metadata)
+            if plans is not None:
+                plans["ext"] = plan
+        if plan is not None:
+            _decode_ext(ext, out, query, k_cache, v_cache, plan, scale, sliding_window, softcap)
+        return out
     key = sliding_window if sliding_window is not None and sliding_window > 0 else None
     groups = plans.get(key) if plans is not None else None
     if groups is None:
