@@ -1,5 +1,5 @@
 // Paged decode attention for the CPU: one query token per sequence, read straight from the block
-// table (no gathered copy, no padding), fp32 math, parallel over (sequence, KV head).
+// table (no gathered copy, no padding), fp32 math, parallel over sequences.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -52,44 +52,44 @@ static void decode_kernel(const Q* query, const T* k_cache, const T* v_cache, co
                           int64_t d, int64_t block_size, int64_t max_blocks, int64_t q_row_stride,
                           int64_t q_head_stride, float scale, int64_t window, float softcap) {
   const int64_t group = hq / hkv;
-  at::parallel_for(0, n * hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * d), acc(group * d), scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / hkv, h = item % hkv;
+  // One sequence per work item: each token's K (and V) row, all KV heads, is read from memory once.
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(hq * d), acc(hq * d), scores;
+    for (int64_t s = begin; s < end; ++s) {
       const int64_t len = seq_lens[s];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t count = len - first;
       const Q* qrow = query + rows[s] * q_row_stride;
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < d; ++i) q[g * d + i] = static_cast<float>(qrow[(h * group + g) * q_head_stride + i]);
-      scores.assign(group * count, 0.f);
+      for (int64_t h = 0; h < hq; ++h)
+        for (int64_t i = 0; i < d; ++i) q[h * d + i] = static_cast<float>(qrow[h * q_head_stride + i]);
+      scores.assign(hq * count, 0.f);
       const int32_t* table = block_table + s * max_blocks;
-      // Pass 1: scores, K read once.
+      // Pass 1: scores [Hq, count]; query head j reads KV head j / group.
       for (int64_t p = first; p < len; ++p) {
-        const T* kp = k_cache + ((int64_t(table[p / block_size]) * block_size + p % block_size) * hkv + h) * d;
-        for (int64_t g = 0; g < group; ++g) {
-          float x = dot(&q[g * d], kp, d) * scale;
+        const T* kp = k_cache + (int64_t(table[p / block_size]) * block_size + p % block_size) * hkv * d;
+        for (int64_t h = 0; h < hq; ++h) {
+          float x = dot(&q[h * d], kp + (h / group) * d, d) * scale;
           if (softcap > 0.f) x = softcap * std::tanh(x / softcap);
-          scores[g * count + (p - first)] = x;
+          scores[h * count + (p - first)] = x;
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = &scores[g * count];
+      for (int64_t h = 0; h < hq; ++h) {
+        float* sh = &scores[h * count];
         float m = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < count; ++j) m = std::max(m, sg[j]);
+        for (int64_t j = 0; j < count; ++j) m = std::max(m, sh[j]);
         float total = 0.f;
-        for (int64_t j = 0; j < count; ++j) { sg[j] = std::exp(sg[j] - m); total += sg[j]; }
+        for (int64_t j = 0; j < count; ++j) { sh[j] = std::exp(sh[j] - m); total += sh[j]; }
         const float inv = 1.f / total;
-        for (int64_t j = 0; j < count; ++j) sg[j] *= inv;
+        for (int64_t j = 0; j < count; ++j) sh[j] *= inv;
       }
       // Pass 2: weighted values, V read once.
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t p = first; p < len; ++p) {
-        const T* vp = v_cache + ((int64_t(table[p / block_size]) * block_size + p % block_size) * hkv + h) * d;
-        for (int64_t g = 0; g < group; ++g) axpy(&acc[g * d], scores[g * count + (p - first)], vp, d);
+        const T* vp = v_cache + (int64_t(table[p / block_size]) * block_size + p % block_size) * hkv * d;
+        for (int64_t h = 0; h < hq; ++h) axpy(&acc[h * d], scores[h * count + (p - first)], vp + (h / group) * d, d);
       }
-      Q* orow = out + (s * hq + h * group) * d;
-      for (int64_t i = 0; i < group * d; ++i) orow[i] = static_cast<Q>(acc[i]);
+      Q* orow = out + s * hq * d;
+      for (int64_t i = 0; i < hq * d; ++i) orow[i] = static_cast<Q>(acc[i]);
     }
   });
 }
