@@ -66,3 +66,11 @@ def test_unknown_peer_is_a_clear_error():
 def test_missing_peer_names_the_setup_command(no_peer_venvs):
     python, why = find_python(PEERS["llama-cpp"])
     assert python is None and "benchmarks/setup_peers.sh llama-cpp" in why
+
+
+def test_prefix_bench_smoke(tiny_model_dir, tmp_path):
+    out = tmp_path / "prefix.json"
+    assert main(["bench", "prefix", "--model", str(tiny_model_dir("llama")), "--system-tokens", "64",
+                 "--num-requests", "2", "--num-kv-blocks", "64", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["ttft_off_s"] > 0 and report["ttft_on_s"] > 0 and report["speedup"] > 0
