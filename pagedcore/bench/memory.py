@@ -15,7 +15,7 @@ import sys
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
-from pagedcore.bench.workload import Workload
+from pagedcore.bench.workload import add_workload_args, workload_from_args
 from pagedcore.kv_cache_manager import cdiv
 
 MIB = 1 << 20
@@ -212,7 +212,7 @@ def run(args) -> dict:
 
     budget_bytes = int(args.kv_budget_mib * MIB)
     budget_blocks = budget_bytes // bytes_per_block
-    wl = Workload(args.num_prompts, (args.input_min, args.input_max), (args.output_min, args.output_max), args.seed)
+    wl = workload_from_args(args)
     prompts, out_lens = wl.make(vocab)
     seq_lens = [len(p) + n for p, n in zip(prompts, out_lens)]
     if max(seq_lens) > budget_blocks * bs:
@@ -292,12 +292,7 @@ def add_parser(bsub) -> None:
     m.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     m.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
     m.add_argument("--block-size", type=int, default=16)
-    m.add_argument("--num-prompts", type=int, default=64)
-    m.add_argument("--input-min", type=int, default=32)
-    m.add_argument("--input-max", type=int, default=256)
-    m.add_argument("--output-min", type=int, default=16)
-    m.add_argument("--output-max", type=int, default=128)
-    m.add_argument("--seed", type=int, default=0)
+    add_workload_args(m)
     m.add_argument("--kv-budget-mib", type=float, default=256.0, help="KV budget for the concurrency comparison")
     m.add_argument("--max-model-len", type=int, default=2048, help="what a contiguous cache reserves per sequence")
     m.add_argument("--max-num-seqs", type=int, default=1024, help="high, so that KV blocks are the limit")

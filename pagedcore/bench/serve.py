@@ -32,7 +32,7 @@ import numpy as np
 
 from pagedcore.bench.serve_clients import (CLIENTS, FrontendError, Request, RequestRecord, arrival_offsets,
                                            bench_frontend)
-from pagedcore.bench.workload import Workload
+from pagedcore.bench.workload import Workload, add_workload_args, workload_from_args
 
 # Where `pagedcore serve-bentoml` / `pagedcore serve-triton` listen by default (for --no-launch).
 DEFAULT_URLS = {"bentoml": "http://127.0.0.1:3000", "triton": "127.0.0.1:8001"}
@@ -236,7 +236,7 @@ def make_requests(args, model_dir: str) -> tuple[Workload, list[Request]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    wl = Workload(args.num_prompts, (args.input_min, args.input_max), (args.output_min, args.output_max), args.seed)
+    wl = workload_from_args(args)
     prompts, out_lens = wl.make(len(tok))
     return wl, [Request(tok.decode(p, skip_special_tokens=True), n) for p, n in zip(prompts, out_lens)]
 
@@ -269,8 +269,6 @@ def run_one(frontend: str, url: str | None, settings: dict, requests, offsets, a
 def check_args(args) -> None:
     if args.num_prompts < 1 or not args.request_rate > 0:
         raise ValueError("--num-prompts must be >= 1 and --request-rate > 0 (inf: all at once)")
-    if not (1 <= args.input_min <= args.input_max and 1 <= args.output_min <= args.output_max):
-        raise ValueError("need 1 <= --input-min <= --input-max and 1 <= --output-min <= --output-max")
 
 
 def _interrupt(signum, frame):
@@ -319,13 +317,8 @@ def add_parser(bsub) -> None:
     p.add_argument("--launch", action=argparse.BooleanOptionalAction, default=True,
                    help="start each server on free ports and stop it afterwards (default); --no-launch: "
                         f"use the serve commands' default addresses {DEFAULT_URLS}")
-    p.add_argument("--num-prompts", type=int, default=64)
+    add_workload_args(p)
     p.add_argument("--request-rate", type=float, default=4.0, help="requests/s, Poisson arrivals; inf: all at once")
-    p.add_argument("--input-min", type=int, default=32)
-    p.add_argument("--input-max", type=int, default=256)
-    p.add_argument("--output-min", type=int, default=16)
-    p.add_argument("--output-max", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("launched servers' engine")
     g.add_argument("--model", default=None, help="HF dir or GGUF (default: the bundled SmolLM2)")
     g.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])

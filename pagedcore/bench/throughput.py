@@ -19,7 +19,7 @@ from pagedcore.bench import latency, roofline
 from pagedcore.bench.memory import WasteTrace, kv_snapshot
 from pagedcore.hookspecs import hookimpl
 from pagedcore.bench.peers import parse_peers, run_peer
-from pagedcore.bench.workload import Workload
+from pagedcore.bench.workload import add_workload_args, workload_from_args
 
 
 @dataclass
@@ -141,7 +141,7 @@ def main(args) -> int:
     peers = parse_peers(args.peers)
     model_dir = str(resolve_model_dir(args.model))
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
-    wl = Workload(args.num_prompts, (args.input_min, args.input_max), (args.output_min, args.output_max), args.seed)
+    wl = workload_from_args(args)
     prompts, out_lens = wl.make(vocab)
     dtype = getattr(torch, args.dtype)
 
@@ -207,12 +207,7 @@ def add_parser(bsub) -> None:
     t = bsub.add_parser("throughput", help="offline throughput on random token-id prompts, against peers")
     t.add_argument("--model", default=None, help="HF dir or GGUF (default: the bundled SmolLM2)")
     t.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    t.add_argument("--num-prompts", type=int, default=64)
-    t.add_argument("--input-min", type=int, default=32)
-    t.add_argument("--input-max", type=int, default=256)
-    t.add_argument("--output-min", type=int, default=16)
-    t.add_argument("--output-max", type=int, default=128)
-    t.add_argument("--seed", type=int, default=0)
+    add_workload_args(t)
     t.add_argument("--max-num-seqs", type=int, default=128)
     t.add_argument("--max-num-batched-tokens", type=int, default=2048)
     t.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
