@@ -1,0 +1,41 @@
+"""Fused CPU replacements for transformers' small per-layer ops, installed on the engine's model.
+
+transformers' Llama-style RMSNorm is ~8 aten ops (casts, pow, mean, rsqrt, muls); run 61 times per
+step, on a CPU their dispatch and extra passes over memory cost more than the math. The C++ kernel
+(kernels/csrc, built with the decode kernel) does one pass per row with the same semantics: bf16
+results are bit-identical to transformers', fp32 and fp16 ones within about an ulp. Where the kernel is not
+available, or off the CPU, nothing is replaced.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedcore.kernels import cpu_ext
+
+# Classes whose forward is exactly weight * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype).
+LLAMA_STYLE_RMSNORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm"}
+
+
+def install(model: torch.nn.Module, device: torch.device) -> int:
+    """Patch the model's RMSNorm modules in place; returns how many."""
+    ext = cpu_ext.load() if device.type == "cpu" else None
+    if ext is None:
+        return 0
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ in LLAMA_STYLE_RMSNORMS and hasattr(module, "variance_epsilon"):
+            module.forward = _fused_rmsnorm(ext, module)
+            count += 1
+    return count
+
+
+def _fused_rmsnorm(ext, module):
+    original = type(module).forward
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dtype != module.weight.dtype or hidden_states.device.type != "cpu":
+            return original(module, hidden_states)
+        return ext.rms_norm(hidden_states, module.weight, module.variance_epsilon)
+
+    return forward
