@@ -2,8 +2,9 @@
 
 transformers' Llama-style RMSNorm is ~8 aten ops (casts, pow, mean, rsqrt, muls); run 61 times per
 step, on a CPU their dispatch and extra passes over memory cost more than the math. The C++ kernel
-(kernels/csrc, built with the decode kernel) does one pass per row with the same semantics: bf16
-results are bit-identical to transformers', fp32 and fp16 ones within about an ulp. Where the kernel is not
+(kernels/csrc, built with the decode kernel) does one pass per row with the same semantics and the
+same roundings; only its fp32 sum of squares runs in another order, so results match transformers'
+within about an ulp (in bf16, >99% of elements bit-equal). Where the kernel is not
 available, or off the CPU, nothing is replaced.
 """
 

@@ -22,6 +22,7 @@ def ext():
 def test_fused_rmsnorm_matches_transformers(ext, dtype, rows):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+    torch.manual_seed(rows)
     norm = LlamaRMSNorm(576, eps=1e-5).to(dtype)
     torch.nn.init.normal_(norm.weight, 1.0, 0.3)
     x = (torch.randn(2, rows, 576) * 4).to(dtype)
@@ -29,11 +30,12 @@ def test_fused_rmsnorm_matches_transformers(ext, dtype, rows):
     fused_ops.install(torch.nn.Sequential(norm), torch.device("cpu"))
     out = norm(x)
     assert out.dtype == dtype and out.shape == x.shape and not out.isnan().any()
-    if dtype == torch.bfloat16:  # rounded to bf16 at the same places as transformers: bit-equal
-        assert torch.equal(out, ref)
-    else:  # fp32 sums in another order (and fp16's finer grid shows it): within an ulp or so
-        tol = 1e-5 if dtype == torch.float32 else 1e-3
-        torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    # Rounded to the model dtype at the same places as transformers; only the fp32 sum of squares runs
+    # in another order, which can move a value across a rounding boundary: within about an ulp.
+    tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    if dtype != torch.float32:
+        assert (out == ref).float().mean() > 0.99  # nearly every element is bit-equal
 
 
 def test_fused_rmsnorm_falls_back_on_mixed_dtypes(ext):
