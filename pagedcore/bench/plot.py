@@ -7,9 +7,10 @@ labelled gap, with their reasons under the figure, so a missing bar is never mis
 
 from __future__ import annotations
 
-import json
 import sys
 import textwrap
+
+from pagedcore.bench.report import load_json
 
 OURS, PEER, SKIPPED = "#c0392b", "#8c8c8c", "#bbbbbb"
 SERVE_BARS = [("ttft_ms", "p50", "TTFT p50"), ("ttft_ms", "p99", "TTFT p99"),
@@ -114,15 +115,8 @@ def plot(throughput: dict, serve: dict | None, out_path) -> None:
     fig.savefig(out_path, dpi=120)
 
 
-def _load(path: str | None) -> dict | None:
-    if path is None:
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
 def main(args) -> int:
-    plot(_load(args.throughput), _load(args.serve), args.out)
+    plot(load_json(args.throughput), load_json(args.serve), args.out)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

@@ -149,7 +149,7 @@ def replace_between_markers(text: str, block: str) -> str:
     return text[:start + len(START)] + "\n" + block.rstrip("\n") + "\n" + text[end:]
 
 
-def _load(path: str | None) -> dict | None:
+def load_json(path: str | None) -> dict | None:
     if path is None:
         return None
     with open(path) as f:
@@ -159,7 +159,7 @@ def _load(path: str | None) -> dict | None:
 def main(args) -> int:
     if not (args.throughput or args.serve or args.memory):
         raise ValueError("give at least one of --throughput, --serve, --memory")
-    text = render(_load(args.throughput), _load(args.serve), _load(args.memory))
+    text = render(load_json(args.throughput), load_json(args.serve), load_json(args.memory))
     if not args.readme:
         print(text, end="")
         return 0
