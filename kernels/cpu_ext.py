@@ -1,8 +1,9 @@
-"""The C++ CPU decode-attention kernel (csrc/cpu_decode_attention.cpp), built on first use.
+"""The C++ CPU ops (csrc/: paged decode attention, decoder-layer elementwise ops, sampler
+reductions), one extension module built on first use.
 
-Compiled once per machine with torch's cpp_extension (about 35 s; cached in torch's extensions
-directory, ~10 ms to load afterwards). If it cannot be built (no compiler, no ninja), or
-`PAGEDCORE_CPU_EXT=0`, the CPU backend keeps its pure-torch path, which computes the same thing.
+Compiled once per machine with torch's cpp_extension (about a minute on 2 cores; cached in torch's
+extensions directory, ~10 ms to load afterwards). If it cannot be built (no compiler, no ninja), or
+`PAGEDCORE_CPU_EXT=0`, every caller keeps its pure-torch path, which computes the same thing.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 
 logger = logging.getLogger("pagedcore")
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_decode_attention.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("bindings.cpp", "cpu_decode_attention.cpp", "cpu_layer_ops.cpp", "cpu_sampling.cpp")]
 # -ffast-math lets the compiler vectorise the fp32 reductions; the kernel never reads padding, so
 # no inf/NaN from unwritten cache slots can reach it.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
@@ -44,7 +46,8 @@ def load():
 
         _put_ninja_on_path()
 
-        _module = build("pagedcore_cpu_decode", [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"])
+        _module = build("pagedcore_cpu_ops", [str(s) for s in SOURCES], extra_cflags=CFLAGS,
+                        extra_ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 -- any build failure means: use the torch path
-        logger.warning("pagedcore: C++ CPU decode kernel unavailable (%s); using the torch path", e)
+        logger.warning("pagedcore: C++ CPU ops unavailable (%s); using the torch paths", e)
     return _module

@@ -4,7 +4,7 @@ Processing order follows vLLM:
 
     min_tokens EOS/stop masking -> repetition penalty -> presence/frequency penalties
     -> greedy rows: argmax
-    -> random rows: temperature -> top-k -> top-p -> min-p -> exponential race
+    -> random rows: temperature -> top-k -> top-p -> min-p -> one draw from the probabilities
 
 Logprobs are those of the RAW model distribution (log_softmax of the incoming
 logits, before any processing), as vLLM v1 does by default: beam search and
@@ -13,6 +13,11 @@ comparisons against reference implementations need the model's own numbers.
 Everything is vectorised over the batch. The only Python loop is over seeded
 rows, so that each seeded request draws its noise from its own generator and gets
 the same sample whatever else is in the batch.
+
+On the CPU, with the C++ ops built (kernels/cpu_ext.py), two row reductions run there: greedy
+batches get argmax and logsumexp in one read of the logits, and the draw is inverse-CDF
+sampling with fp64 running sums (one uniform per row). Elsewhere the draw is the exponential
+race (V exponentials per row); both are exact draws from the same probabilities.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedcore.kernels import cpu_ext
 from pagedcore.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -230,6 +236,30 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, _NEG_INF)
 
 
+def _cpu_ext():
+    return cpu_ext.load()
+
+
+def sample_from_probs(
+    probs: torch.Tensor,
+    generators: dict[int, torch.Generator],
+    needs_default_rng: bool = True,
+) -> torch.Tensor:
+    """One exact draw per row of probs [B, V] (rows need not sum to 1; zeros are never drawn)."""
+    ext = _cpu_ext() if probs.device.type == "cpu" else None
+    if ext is None:
+        return exponential_race(probs, generators, needs_default_rng)
+    return ext.sample_inverse_cdf(probs.float(), _uniforms(probs.shape[0], generators, needs_default_rng))
+
+
+def _uniforms(B: int, generators: dict[int, torch.Generator], needs_default_rng: bool) -> torch.Tensor:
+    """u ~ U[0, 1) per row, fp64; seeded rows draw theirs from their own generator."""
+    u = torch.rand(B, dtype=torch.float64) if needs_default_rng else torch.zeros(B, dtype=torch.float64)
+    for i, g in generators.items():
+        u[i] = torch.rand(1, dtype=torch.float64, generator=g)[0]
+    return u
+
+
 def exponential_race(
     probs: torch.Tensor,
     generators: dict[int, torch.Generator],
@@ -267,6 +297,9 @@ class SamplerOutput:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        fast = self.plain_greedy(logits, batch)
+        if fast is not None:
+            return fast
         raw = logits.float()  # may alias the caller's tensor: never modified in place
         raw_logprobs = torch.log_softmax(raw, dim=-1) if batch.max_num_logprobs is not None else None
 
@@ -281,11 +314,27 @@ class Sampler:
         index = sampled.unsqueeze(1)
         if raw_logprobs is None:
             # logsumexp is a reduction: no [B, V] log_softmax when nobody wants top-N.
-            sampled_logprobs = (raw.gather(1, index) - raw.logsumexp(dim=-1, keepdim=True)).squeeze(1)
+            sampled_logprobs = raw.gather(1, index).squeeze(1) - _logsumexp(raw)
             return SamplerOutput(sampled, sampled_logprobs)
         sampled_logprobs = raw_logprobs.gather(1, index).squeeze(1)
         top = raw_logprobs.topk(batch.max_num_logprobs, dim=-1)
         return SamplerOutput(sampled, sampled_logprobs, top.indices, top.values)
+
+    @staticmethod
+    def plain_greedy(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput | None:
+        """All rows greedy with nothing to process or report but the sampled logprob: argmax and
+        logsumexp in one C++ read of the logits, in their own dtype. None where that does not apply
+        (or a row is not finite: the torch path then gives torch's own answer for it)."""
+        if not (batch.all_greedy and batch.no_penalties and batch.min_tokens_block is None
+                and batch.max_num_logprobs is None and logits.device.type == "cpu" and logits.dim() == 2):
+            return None
+        ext = _cpu_ext()
+        if ext is None:
+            return None
+        sampled, lse = ext.argmax_logsumexp(logits)
+        if not torch.isfinite(lse).all():
+            return None
+        return SamplerOutput(sampled, logits.gather(1, sampled.unsqueeze(1)).squeeze(1).float() - lse)
 
     @staticmethod
     def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -314,4 +363,14 @@ class Sampler:
         if not batch.no_min_p:
             logits = apply_min_p(logits, batch.min_p)
         probs = logits.softmax(dim=-1)
-        return exponential_race(probs, batch.generators, batch.needs_default_rng)
+        return sample_from_probs(probs, batch.generators, batch.needs_default_rng)
+
+
+def _logsumexp(raw: torch.Tensor) -> torch.Tensor:
+    """Row logsumexp of fp32 logits [B, V] (one C++ read on the CPU)."""
+    ext = _cpu_ext() if raw.device.type == "cpu" else None
+    if ext is not None:
+        lse = ext.argmax_logsumexp(raw)[1]
+        if torch.isfinite(lse).all():
+            return lse
+    return raw.logsumexp(dim=-1)

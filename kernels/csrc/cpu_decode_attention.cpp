@@ -1,6 +1,6 @@
 // Paged decode attention for the CPU: one query token per sequence, read straight from the block
 // table (no gathered copy, no padding), fp32 math, parallel over sequences.
-#include <torch/extension.h>
+#include "ops.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
@@ -53,7 +53,9 @@ static void decode_kernel(const Q* query, const T* k_cache, const T* v_cache, co
                           int64_t q_head_stride, float scale, int64_t window, float softcap) {
   const int64_t group = hq / hkv;
   // One sequence per work item: each token's K (and V) row, all KV heads, is read from memory once.
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  int64_t total_len = 0;
+  for (int64_t s = 0; s < n; ++s) total_len += seq_lens[s];
+  at::parallel_for(0, n, grain_for(total_len / std::max<int64_t>(1, n) * hq * d, 1 << 17), [&](int64_t begin, int64_t end) {
     std::vector<float> q(hq * d), acc(hq * d), scores;
     for (int64_t s = begin; s < end; ++s) {
       const int64_t len = seq_lens[s];
@@ -117,38 +119,4 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor rows, torch::Tenso
     });
   });
   return out;
-}
-
-// RMSNorm with transformers' Llama semantics in one pass per row instead of ~8 aten ops:
-// y = x.float() * rsqrt(mean(x.float()^2) + eps), rounded to x's dtype, then weight * y in x's dtype.
-template <typename T>
-static void rms_norm_kernel(const T* x, const T* w, T* out, int64_t rows, int64_t h, float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * h;
-      float ss = 0.f;
-      for (int64_t i = 0; i < h; ++i) { const float v = static_cast<float>(xr[i]); ss += v * v; }
-      const float inv = 1.f / std::sqrt(ss / float(h) + eps);
-      T* o = out + r * h;
-      for (int64_t i = 0; i < h; ++i)
-        o[i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(static_cast<float>(xr[i]) * inv)));
-    }
-  });
-}
-
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous(), "weight: x's dtype, contiguous");
-  auto xc = x.contiguous();
-  auto out = torch::empty_like(xc);
-  const int64_t h = xc.size(-1);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "rms_norm", [&] {
-    rms_norm_kernel<scalar_t>(xc.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                              xc.numel() / h, h, float(eps));
-  });
-  return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode);
-  m.def("rms_norm", &rms_norm);
 }

@@ -1,0 +1,11 @@
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention, one query token per sequence");
+  m.def("rms_norm", &rms_norm, "transformers' Llama RMSNorm");
+  m.def("add_rms_norm", &add_rms_norm, "(x + residual, rms_norm(x + residual))");
+  m.def("rotary_embedding_", &rotary_embedding_, "rotate q and k in place (transformers' rotate_half RoPE)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("argmax_logsumexp", &argmax_logsumexp, "per row: (argmax, logsumexp)");
+  m.def("sample_inverse_cdf", &sample_inverse_cdf, "per row: first token whose running fp64 sum exceeds u * total");
+}

@@ -1,0 +1,118 @@
+// Decoder-layer elementwise ops for the CPU, each one pass instead of several aten ops.
+// Every op rounds where transformers' own sequence of ops rounds (to the tensor dtype after each
+// op), so bf16 results are bit-identical to transformers' except where an fp32 library function
+// (exp in silu) differs by an ulp before rounding.
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+// No fused multiply-add where transformers rounds between the multiply and the add (fp32 path).
+#pragma GCC optimize("fp-contract=off")
+
+template <typename T>
+static inline float r(float x) {  // round to T, as each aten op's output does
+  return static_cast<float>(static_cast<T>(x));
+}
+
+// y = x.float() * rsqrt(mean(x.float()^2) + eps), rounded to x's dtype, then weight * y in x's dtype.
+template <typename T>
+static inline void rms_norm_row(const T* x, const T* w, T* out, int64_t h, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < h; ++i) { const float v = static_cast<float>(x[i]); ss += v * v; }
+  const float inv = 1.f / std::sqrt(ss / float(h) + eps);
+  for (int64_t i = 0; i < h; ++i) out[i] = static_cast<T>(static_cast<float>(w[i]) * r<T>(static_cast<float>(x[i]) * inv));
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous(), "weight: x's dtype, contiguous");
+  auto xc = x.contiguous();
+  auto out = torch::empty_like(xc);
+  const int64_t h = xc.size(-1), rows = xc.numel() / h;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "rms_norm", [&] {
+    const scalar_t *px = xc.data_ptr<scalar_t>(), *pw = weight.data_ptr<scalar_t>();
+    scalar_t* po = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain_for(h), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) rms_norm_row(px + i * h, pw, po + i * h, h, float(eps));
+    });
+  });
+  return out;
+}
+
+// The residual add and the next RMSNorm, as a decoder layer does them: s = x + residual (rounded),
+// then rms_norm(s). Returns (s, normed).
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                                                      double eps) {
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(), "x, residual: same shape");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous(), "weight: x's dtype, contiguous");
+  auto xc = x.contiguous(), rc = residual.contiguous();
+  auto sum = torch::empty_like(xc), normed = torch::empty_like(xc);
+  const int64_t h = xc.size(-1), rows = xc.numel() / h;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t *px = xc.data_ptr<scalar_t>(), *pr = rc.data_ptr<scalar_t>(), *pw = weight.data_ptr<scalar_t>();
+    scalar_t *ps = sum.data_ptr<scalar_t>(), *pn = normed.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain_for(h), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        for (int64_t j = 0; j < h; ++j)
+          ps[i * h + j] = static_cast<scalar_t>(static_cast<float>(px[i * h + j]) + static_cast<float>(pr[i * h + j]));
+        rms_norm_row(ps + i * h, pw, pn + i * h, h, float(eps));
+      }
+    });
+  });
+  return {sum, normed};
+}
+
+// transformers' RoPE: x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1), each product and
+// the sum rounded to x's dtype. x [T, H, D] with unit stride in D; cos, sin [T, D] contiguous.
+template <typename T>
+static void rope_rows(T* x, int64_t tokens, int64_t heads, int64_t d, int64_t s_tok, int64_t s_head, const T* cos,
+                      const T* sin) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, tokens, grain_for(heads * d), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T *c = cos + t * d, *s = sin + t * d;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* v = x + t * s_tok + h * s_head;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = static_cast<float>(v[i]), x2 = static_cast<float>(v[i + half]);
+          const float o1 = r<T>(x1 * static_cast<float>(c[i])) + r<T>(-x2 * static_cast<float>(s[i]));
+          const float o2 = r<T>(x2 * static_cast<float>(c[i + half])) + r<T>(x1 * static_cast<float>(s[i + half]));
+          v[i] = static_cast<T>(o1);
+          v[i + half] = static_cast<T>(o2);
+        }
+      }
+    }
+  });
+}
+
+void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1, "q, k: [T, H, D], unit stride in D");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == q.size(0) * q.size(2), "cos, sin: [T, D]");
+  TORCH_CHECK(cos.scalar_type() == q.scalar_type() && k.scalar_type() == q.scalar_type(), "one dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding_", [&] {
+    const scalar_t *c = cos.data_ptr<scalar_t>(), *s = sin.data_ptr<scalar_t>();
+    rope_rows(q.data_ptr<scalar_t>(), q.size(0), q.size(1), q.size(2), q.stride(0), q.stride(1), c, s);
+    rope_rows(k.data_ptr<scalar_t>(), k.size(0), k.size(1), k.size(2), k.stride(0), k.stride(1), c, s);
+  });
+}
+
+// act_fn(gate) * up with act_fn = SiLU: silu rounded to the dtype (as torch's silu returns it), then
+// the product rounded.
+torch::Tensor silu_and_mul(torch::Tensor gate, torch::Tensor up) {
+  TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type(), "gate, up: same shape and dtype");
+  auto g = gate.contiguous(), u = up.contiguous();
+  auto out = torch::empty_like(g);
+  const int64_t n = g.numel();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, g.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t *pg = g.data_ptr<scalar_t>(), *pu = u.data_ptr<scalar_t>();
+    scalar_t* po = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n, grain_for(1), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const float x = static_cast<float>(pg[i]);
+        po[i] = static_cast<scalar_t>(r<scalar_t>(x / (1.f + std::exp(-x))) * static_cast<float>(pu[i]));
+      }
+    });
+  });
+  return out;
+}

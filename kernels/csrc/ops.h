@@ -1,0 +1,28 @@
+// The C++ CPU ops of pagedcore, one extension module (bindings.cpp); built by kernels/cpu_ext.py.
+#pragma once
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <tuple>
+
+// at::parallel_for grain: enough items that a chunk holds ~min_work elements. Small batches then
+// run inline: waking the other threads costs more than the work, and far more when a core is busy.
+inline int64_t grain_for(int64_t work_per_item, int64_t min_work = 32768) {
+  return std::max<int64_t>(1, min_work / std::max<int64_t>(1, work_per_item));
+}
+
+// cpu_decode_attention.cpp
+torch::Tensor paged_decode(torch::Tensor query, torch::Tensor rows, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_table, torch::Tensor seq_lens, double scale, int64_t window,
+                           double softcap);
+
+// cpu_layer_ops.cpp
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                                                      double eps);
+void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor silu_and_mul(torch::Tensor gate, torch::Tensor up);
+
+// cpu_sampling.cpp
+std::tuple<torch::Tensor, torch::Tensor> argmax_logsumexp(torch::Tensor logits);
+torch::Tensor sample_inverse_cdf(torch::Tensor probs, torch::Tensor u);
