@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedcore import fused_ops
+from pagedcore import fast_layers, fused_ops
 from pagedcore.attention import hf_glue
 from pagedcore.attention.backend import AttentionMetadata
 from pagedcore.config import EngineConfig
@@ -71,6 +71,7 @@ class ModelRunner:
         self.cpu_kv_caches = self._allocate_kv_cache(self.num_cpu_blocks, torch.device("cpu"))
         hf_glue.install(model)
         fused_ops.install(model, device)
+        fast_layers.install(model, device)
 
     def bytes_per_block(self) -> int:
         s = self.shape

@@ -37,6 +37,11 @@ def forward_context(ctx: ForwardContext):
         _context = prev
 
 
+def current() -> ForwardContext | None:
+    """The engine's per-step state while a forward runs inside `forward_context`, else None."""
+    return _context
+
+
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """query: [1, Hq, T, D]; key/value: [1, Hkv, T, D] for this step's T flattened tokens."""
     ctx = _context

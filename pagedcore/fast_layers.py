@@ -1,0 +1,88 @@
+"""A lean CPU forward for Llama-family decoder layers, installed on the engine's model.
+
+transformers' decoder layer spends, per layer and step, ~25 aten ops and several Python frames
+outside its seven matmuls (views and transposes, rotate_half's slices/cat/neg, separate residual
+adds, silu then mul, the attention-interface indirection). On a 2-core CPU at a decode batch of 64
+that is ~30% of the step. This forward keeps the layer's own Linear modules (so int4 weights and
+any plugin-replaced projection still run) and replaces the rest with the C++ ops of
+`pagedcore.kernels.cpu_ext`, which round where transformers rounds: bf16 results match
+transformers' layer bit for bit except where silu's fp32 exp differs by an ulp before rounding.
+
+Only exact classes whose forward is known are patched; anything else keeps transformers' forward
+(and still runs paged attention through `hf_glue`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from pagedcore.attention import hf_glue
+from pagedcore.fused_ops import LLAMA_STYLE_RMSNORMS
+from pagedcore.kernels import cpu_ext
+
+# Decoder layer class -> how its attention module says which sliding window it uses.
+SUPPORTED_LAYERS: dict[str, Callable[[torch.nn.Module], int | None]] = {
+    "LlamaDecoderLayer": lambda attn: None,
+    "MistralDecoderLayer": lambda attn: getattr(attn.config, "sliding_window", None),
+    "Qwen2DecoderLayer": lambda attn: attn.sliding_window,
+}
+
+# transformers' ACT2FN["silu"] (SiLUActivation) and torch's own.
+SILU_ACTIVATIONS = {"SiLUActivation", "SiLU"}
+
+
+def install(model: torch.nn.Module, device: torch.device) -> int:
+    """Patch every supported decoder layer's forward in place; returns how many."""
+    ext = cpu_ext.load() if device.type == "cpu" else None
+    if ext is None:
+        return 0
+    count = 0
+    for module in model.modules():
+        window_of = SUPPORTED_LAYERS.get(type(module).__name__)
+        if window_of is not None and _is_plain_llama_layer(module):
+            module.forward = _lean_forward(ext, module, window_of(module.self_attn))
+            count += 1
+    return count
+
+
+def _is_plain_llama_layer(layer) -> bool:
+    """The parts this forward assumes: q/k/v/o and gate/up/down projections, SiLU, Llama RMSNorms,
+    no per-head q/k norms, rotate_half RoPE over the whole head."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None:
+        return False
+    has_parts = all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")) \
+        and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
+    norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
+    return has_parts and type(mlp.act_fn).__name__ in SILU_ACTIVATIONS \
+        and all(type(n).__name__ in LLAMA_STYLE_RMSNORMS and hasattr(n, "variance_epsilon") for n in norms) \
+        and not hasattr(attn, "q_norm") and not hasattr(attn, "k_norm")
+
+
+def _lean_forward(ext, layer, sliding_window: int | None):
+    attn, mlp = layer.self_attn, layer.mlp
+    in_norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
+    original = type(layer).forward
+    head_dim, scale = attn.head_dim, attn.scaling
+
+    def forward(hidden_states: torch.Tensor, position_embeddings=None, **kwargs) -> torch.Tensor:
+        ctx = hf_glue.current()
+        if ctx is None or position_embeddings is None or hidden_states.dtype != in_norm.weight.dtype \
+                or hidden_states.shape[0] != 1 or position_embeddings[0].shape[-1] != head_dim:
+            return original(layer, hidden_states, position_embeddings=position_embeddings, **kwargs)
+        cos, sin = position_embeddings
+        T = hidden_states.shape[1]
+        h = ext.rms_norm(hidden_states, in_norm.weight, in_norm.variance_epsilon)
+        q = attn.q_proj(h).view(T, -1, head_dim)
+        k = attn.k_proj(h).view(T, -1, head_dim)
+        v = attn.v_proj(h).view(T, -1, head_dim)
+        ext.rotary_embedding_(q, k, cos.view(T, head_dim), sin.view(T, head_dim))
+        k_cache, v_cache = ctx.kv_caches[attn.layer_idx]
+        o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.metadata, scale=scale, sliding_window=sliding_window)
+        o = attn.o_proj(o.reshape(1, T, -1))
+        hidden_states, h = ext.add_rms_norm(hidden_states, o, post_norm.weight, post_norm.variance_epsilon)
+        return hidden_states + mlp.down_proj(ext.silu_and_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+
+    return forward
