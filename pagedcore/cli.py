@@ -107,13 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_args(g)
     g.set_defaults(func=cmd_generate)
 
-    from pagedcore import bench
+    from pagedcore import gc_paused
 
-    bench.add_parser(sub)
+    with gc_paused():  # the bench parsers import torch (which generate needs anyway)
+        from pagedcore import bench
+        from pagedcore.adapters import triton_launcher
 
-    from pagedcore.adapters import triton_launcher
-
-    triton_launcher.add_parser(sub)  # serve-triton
+        bench.add_parser(sub)
+        triton_launcher.add_parser(sub)  # serve-triton
 
     b = sub.add_parser("serve-bentoml", help="serve the OpenAI-compatible API through BentoML (bentoml serve)")
     b.add_argument("--host", default="127.0.0.1")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported on use: `import pagedcore` alone stays light
+    import torch
 
 
 @dataclass
@@ -45,11 +47,15 @@ class EngineConfig:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             # fp32 on CPU keeps results equal to transformers' defaults; bf16 is opt-in there.
             return torch.bfloat16 if device.type == "cuda" else torch.float32

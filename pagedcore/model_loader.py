@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from pagedcore import gc_paused
+
 logger = logging.getLogger("pagedcore")
 
 BUNDLED_NAMES = {None, "", "bundled", "smollm2", "SmolLM2-135M-Instruct"}
@@ -90,11 +92,12 @@ def gguf_to_hf_dir(gguf: Path) -> Path:
 
 
 def load_model_and_tokenizer(model: str | None, dtype: torch.dtype, device: torch.device, tokenizer: str | None = None):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     model_dir = resolve_model_dir(model)
     tok_dir = resolve_model_dir(tokenizer) if tokenizer else model_dir
-    tok = AutoTokenizer.from_pretrained(str(tok_dir))
-    hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    with gc_paused():  # the first load imports most of transformers
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(tok_dir))
+        hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     hf_model.to(device).eval()
     return hf_model, tok
