@@ -1,13 +1,17 @@
 """The C++ CPU ops (csrc/: paged decode attention, decoder-layer elementwise ops, sampler
 reductions), one extension module built on first use.
 
-Compiled once per machine with torch's cpp_extension (about a minute on 2 cores; cached in torch's
-extensions directory, ~10 ms to load afterwards). If it cannot be built (no compiler, no ninja), or
+Compiled once per machine with torch's cpp_extension (about a minute on 2 cores) into
+`$PAGEDCORE_CACHE/cpu_ops/<name>` (default ~/.cache/pagedcore), the name carrying a hash of the
+sources, flags and torch version: checkouts with different sources never rebuild over each other,
+and a built module is imported directly (no cpp_extension import, no ninja run: ~10 ms). If it cannot be built (no compiler, no ninja), or
 `PAGEDCORE_CPU_EXT=0`, every caller keeps its pure-torch path, which computes the same thing.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -33,6 +37,44 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+def _name() -> str:
+    import torch
+
+    digest = hashlib.sha256()
+    for path in [*SOURCES, *sorted(CSRC.glob("*.h"))]:
+        digest.update(path.read_bytes())
+    digest.update(" ".join(CFLAGS).encode() + torch.__version__.encode())
+    return f"pagedcore_cpu_ops_{digest.hexdigest()[:12]}"
+
+
+def _build_dir(name: str) -> Path:
+    root = Path(os.environ.get("PAGEDCORE_CACHE", Path.home() / ".cache" / "pagedcore"))
+    return root / "cpu_ops" / name
+
+
+def _import_built(name: str, build_dir: Path):
+    """The module from an earlier build of these exact sources, or None."""
+    so = build_dir / f"{name}.so"
+    if not so.exists():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, so)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError:  # half-written by a concurrent build: let the build (and its lock) decide
+        return None
+    return module
+
+
+def _build(name: str, build_dir: Path):
+    from torch.utils.cpp_extension import load as build
+
+    _put_ninja_on_path()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return build(name, [str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                 build_directory=str(build_dir))
+
+
 def load():
     """The compiled module, or None when unavailable (logged once)."""
     global _module, _tried
@@ -42,12 +84,8 @@ def load():
     if os.environ.get("PAGEDCORE_CPU_EXT", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load as build
-
-        _put_ninja_on_path()
-
-        _module = build("pagedcore_cpu_ops", [str(s) for s in SOURCES], extra_cflags=CFLAGS,
-                        extra_ldflags=["-fopenmp"])
+        name = _name()
+        _module = _import_built(name, _build_dir(name)) or _build(name, _build_dir(name))
     except Exception as e:  # noqa: BLE001 -- any build failure means: use the torch path
         logger.warning("pagedcore: C++ CPU ops unavailable (%s); using the torch paths", e)
     return _module
