@@ -98,21 +98,30 @@ void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torc
 }
 
 // act_fn(gate) * up with act_fn = SiLU: silu rounded to the dtype (as torch's silu returns it), then
-// the product rounded.
+// the product rounded. gate and up may be strided views (the two halves of one fused gate_up
+// matmul): rows of `width` elements, unit stride inside a row.
+template <typename T>
+static void silu_and_mul_rows(const T* g, const T* u, T* out, int64_t rows, int64_t width, int64_t g_stride,
+                              int64_t u_stride) {
+  at::parallel_for(0, rows, grain_for(width), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row)
+      for (int64_t i = 0; i < width; ++i) {
+        const float x = static_cast<float>(g[row * g_stride + i]);
+        out[row * width + i] =
+            static_cast<T>(r<T>(x / (1.f + std::exp(-x))) * static_cast<float>(u[row * u_stride + i]));
+      }
+  });
+}
+
 torch::Tensor silu_and_mul(torch::Tensor gate, torch::Tensor up) {
   TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type(), "gate, up: same shape and dtype");
-  auto g = gate.contiguous(), u = up.contiguous();
-  auto out = torch::empty_like(g);
-  const int64_t n = g.numel();
+  const int64_t width = gate.size(-1);
+  auto g = gate.stride(-1) == 1 ? gate.reshape({-1, width}) : gate.contiguous().view({-1, width});
+  auto u = up.stride(-1) == 1 ? up.reshape({-1, width}) : up.contiguous().view({-1, width});
+  auto out = torch::empty(gate.sizes(), gate.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, g.scalar_type(), "silu_and_mul", [&] {
-    const scalar_t *pg = g.data_ptr<scalar_t>(), *pu = u.data_ptr<scalar_t>();
-    scalar_t* po = out.data_ptr<scalar_t>();
-    at::parallel_for(0, n, grain_for(1), [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const float x = static_cast<float>(pg[i]);
-        po[i] = static_cast<scalar_t>(r<scalar_t>(x / (1.f + std::exp(-x))) * static_cast<float>(pu[i]));
-      }
-    });
+    silu_and_mul_rows(g.data_ptr<scalar_t>(), u.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), g.size(0), width,
+                      g.stride(0), u.stride(0));
   });
   return out;
 }
