@@ -61,48 +61,13 @@ def _is_plain_llama_layer(layer) -> bool:
         and not hasattr(attn, "q_norm") and not hasattr(attn, "k_norm")
 
 
-def fuse_linears(*linears: torch.nn.Module):
-    """One weight [sum N, K] (and bias) for projections that read the same input, so one matmul
-    replaces several: wider matmuls use this CPU's vector units better at decode batch sizes.
-    Each module's weight becomes a view into the fused tensor (no second copy; transformers'
-    own forward keeps working). None unless all are plain nn.Linear of one dtype, biased alike."""
-    if not all(type(m) is torch.nn.Linear for m in linears):
-        return None
-    weights = [m.weight for m in linears]
-    biased = [m.bias is not None for m in linears]
-    if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1 or len(set(biased)) != 1:
-        return None
-    with torch.no_grad():
-        weight = torch.cat(weights)
-        bias = torch.cat([m.bias for m in linears]) if biased[0] else None
-        start = 0
-        for m in linears:
-            n = m.weight.shape[0]
-            m.weight = torch.nn.Parameter(weight[start:start + n], requires_grad=False)
-            if bias is not None:
-                m.bias = torch.nn.Parameter(bias[start:start + n], requires_grad=False)
-            start += n
-    return weight, bias, [m.weight.shape[0] for m in linears]
-
-
 def _lean_forward(ext, layer, sliding_window: int | None):
     attn, mlp = layer.self_attn, layer.mlp
     in_norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
     original = type(layer).forward
     head_dim, scale = attn.head_dim, attn.scaling
-    qkv = fuse_linears(attn.q_proj, attn.k_proj, attn.v_proj)
-    gate_up = fuse_linears(mlp.gate_proj, mlp.up_proj)
-
-    def project_qkv(h):
-        if qkv is None:
-            return attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-        return torch.nn.functional.linear(h, qkv[0], qkv[1]).split(qkv[2], dim=-1)
-
-    def mlp_forward(h):
-        if gate_up is None:
-            return mlp.down_proj(ext.silu_and_mul(mlp.gate_proj(h), mlp.up_proj(h)))
-        gate, up = torch.nn.functional.linear(h, gate_up[0], gate_up[1]).split(gate_up[2], dim=-1)
-        return mlp.down_proj(ext.silu_and_mul(gate, up))
+    # q/k/v (and gate/up) stay separate matmuls: fused into one, each matmul alone ran 10-15%
+    # faster here, yet whole decode steps ran ~5% slower (strided q/k/v downstream); measured.
 
     def forward(hidden_states: torch.Tensor, position_embeddings=None, **kwargs) -> torch.Tensor:
         ctx = hf_glue.current()
@@ -112,12 +77,14 @@ def _lean_forward(ext, layer, sliding_window: int | None):
         cos, sin = position_embeddings
         T = hidden_states.shape[1]
         h = ext.rms_norm(hidden_states, in_norm.weight, in_norm.variance_epsilon)
-        q, k, v = (x.view(T, -1, head_dim) for x in project_qkv(h))
+        q = attn.q_proj(h).view(T, -1, head_dim)
+        k = attn.k_proj(h).view(T, -1, head_dim)
+        v = attn.v_proj(h).view(T, -1, head_dim)
         ext.rotary_embedding_(q, k, cos.view(T, head_dim), sin.view(T, head_dim))
         k_cache, v_cache = ctx.kv_caches[attn.layer_idx]
         o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.metadata, scale=scale, sliding_window=sliding_window)
         o = attn.o_proj(o.reshape(1, T, -1))
         hidden_states, h = ext.add_rms_norm(hidden_states, o, post_norm.weight, post_norm.variance_epsilon)
-        return hidden_states + mlp_forward(h)
+        return hidden_states + mlp.down_proj(ext.silu_and_mul(mlp.gate_proj(h), mlp.up_proj(h)))
 
     return forward

@@ -96,18 +96,3 @@ def test_layer_ops_match_transformers_ops(ext, dtype):
     torch.testing.assert_close(normed, norm(residual + x), rtol=1e-5 if dtype == torch.float32 else 2 ** -6, atol=1e-5)
     assert not normed.isnan().any()
 
-
-def test_fuse_linears_makes_views_of_one_weight():
-    torch.manual_seed(0)
-    a, b, c = torch.nn.Linear(8, 4), torch.nn.Linear(8, 2), torch.nn.Linear(8, 3)
-    x = torch.randn(5, 8)
-    refs = [m(x) for m in (a, b, c)]
-    weight, bias, sizes = fast_layers.fuse_linears(a, b, c)
-    assert weight.shape == (9, 8) and sizes == [4, 2, 3]
-    assert a.weight.data_ptr() == weight.data_ptr() and c.bias.data_ptr() == bias[6:].data_ptr()
-    fused = torch.nn.functional.linear(x, weight, bias).split(sizes, dim=-1)
-    for m, ref, part in zip((a, b, c), refs, fused):
-        torch.testing.assert_close(m(x), ref)
-        torch.testing.assert_close(part, ref)
-    assert fast_layers.fuse_linears(torch.nn.Linear(8, 4), torch.nn.Linear(8, 4, bias=False)) is None
-    assert fast_layers.fuse_linears(torch.nn.Linear(8, 4), torch.nn.Linear(6, 4)) is None
