@@ -87,7 +87,9 @@ def extra_lines(throughput: dict) -> list[str]:
                      f"measured matmul peak = {100 * rf['fraction']:.1f}% ({rf['model_gflop_per_token']:.3f} "
                      f"GFLOP/token)")
     if throughput.get("cold_start_s") is not None:
-        lines.append(f"- Cold start, fresh process to first token: {throughput['cold_start_s']:.2f} s")
+        samples = throughput.get("cold_start_samples_s")
+        seen = f" (min of {len(samples)} fresh processes: {', '.join(f'{x:.2f}' for x in samples)})" if samples else ""
+        lines.append(f"- Cold start, fresh process to first token: {throughput['cold_start_s']:.2f} s{seen}")
     if throughput.get("kv_waste_pct") is not None:
         lines.append(f"- KV waste, allocated but empty slots over the run: {throughput['kv_waste_pct']:.2f}%")
     return lines
