@@ -19,8 +19,7 @@ from typing import Callable
 import torch
 
 from pagedcore.attention import hf_glue
-from pagedcore.fused_ops import LLAMA_STYLE_RMSNORMS
-from pagedcore.kernels import cpu_ext
+from pagedcore.fused_ops import LLAMA_STYLE_RMSNORMS, patch_forwards
 
 # Decoder layer class -> how its attention module says which sliding window it uses.
 SUPPORTED_LAYERS: dict[str, Callable[[torch.nn.Module], int | None]] = {
@@ -35,16 +34,13 @@ SILU_ACTIVATIONS = {"SiLUActivation", "SiLU"}
 
 def install(model: torch.nn.Module, device: torch.device) -> int:
     """Patch every supported decoder layer's forward in place; returns how many."""
-    ext = cpu_ext.load() if device.type == "cpu" else None
-    if ext is None:
-        return 0
-    count = 0
-    for module in model.modules():
+    def make(ext, module):
         window_of = SUPPORTED_LAYERS.get(type(module).__name__)
         if window_of is not None and _is_plain_llama_layer(module):
-            module.forward = _lean_forward(ext, module, window_of(module.self_attn))
-            count += 1
-    return count
+            return _lean_forward(ext, module, window_of(module.self_attn))
+        return None
+
+    return patch_forwards(model, device, make)
 
 
 def _is_plain_llama_layer(layer) -> bool:

@@ -18,17 +18,29 @@ from pagedcore.kernels import cpu_ext
 LLAMA_STYLE_RMSNORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm"}
 
 
-def install(model: torch.nn.Module, device: torch.device) -> int:
-    """Patch the model's RMSNorm modules in place; returns how many."""
+def patch_forwards(model: torch.nn.Module, device: torch.device, make_forward) -> int:
+    """Set `module.forward = make_forward(ext, module)` on every module for which it returns one
+    (on the CPU, with the C++ ops built); returns how many."""
     ext = cpu_ext.load() if device.type == "cpu" else None
     if ext is None:
         return 0
     count = 0
     for module in model.modules():
-        if type(module).__name__ in LLAMA_STYLE_RMSNORMS and hasattr(module, "variance_epsilon"):
-            module.forward = _fused_rmsnorm(ext, module)
+        forward = make_forward(ext, module)
+        if forward is not None:
+            module.forward = forward
             count += 1
     return count
+
+
+def install(model: torch.nn.Module, device: torch.device) -> int:
+    """Patch the model's RMSNorm modules in place; returns how many."""
+    def make(ext, module):
+        if type(module).__name__ in LLAMA_STYLE_RMSNORMS and hasattr(module, "variance_epsilon"):
+            return _fused_rmsnorm(ext, module)
+        return None
+
+    return patch_forwards(model, device, make)
 
 
 def _fused_rmsnorm(ext, module):

@@ -99,3 +99,14 @@ def assert_greedy_equal(ours, ours_logprobs, ref, ref_logprobs, tol: float = 1e-
         return t
     assert len(ours) == len(ref), f"lengths differ: ours {len(ours)}, HF {len(ref)}"
     return None
+
+
+@pytest.fixture(scope="session")
+def ext():
+    """The C++ CPU ops module (kernels/cpu_ext.py); tests of them skip where it cannot be built."""
+    from pagedcore.kernels import cpu_ext
+
+    module = cpu_ext.load()
+    if module is None:
+        pytest.skip("no C++ toolchain: the C++ CPU ops are not built (callers keep their torch paths)")
+    return module

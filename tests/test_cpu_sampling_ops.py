@@ -6,15 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedcore.kernels import cpu_ext
 
-
-@pytest.fixture(scope="module")
-def ext():
-    module = cpu_ext.load()
-    if module is None:
-        pytest.skip("no C++ toolchain: the sampler keeps its torch path")
-    return module
 
 
 def random_logits(seed: int, B: int, V: int, scale: float = 3.0) -> torch.Tensor:

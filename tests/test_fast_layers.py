@@ -6,15 +6,7 @@ import pytest
 import torch
 
 from pagedcore import LLM, SamplingParams, fast_layers
-from pagedcore.kernels import cpu_ext
 
-
-@pytest.fixture(scope="module")
-def ext():
-    module = cpu_ext.load()
-    if module is None:
-        pytest.skip("no C++ toolchain: transformers' layer forward stays in place")
-    return module
 
 
 # Prompt lengths cross the tiny Mistral's sliding window (24) and several 16-token blocks.

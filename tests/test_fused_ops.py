@@ -6,15 +6,7 @@ import pytest
 import torch
 
 from pagedcore import fused_ops
-from pagedcore.kernels import cpu_ext
 
-
-@pytest.fixture(scope="module")
-def ext():
-    module = cpu_ext.load()
-    if module is None:
-        pytest.skip("no C++ toolchain: transformers' RMSNorm stays in place")
-    return module
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
