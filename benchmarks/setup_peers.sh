@@ -2,7 +2,7 @@
 # Install the peer engines for `pagedcore bench ... --peers`, each into its own virtualenv
 # (never into the project's environment). Re-runnable: an existing, working venv is kept.
 #
-#   bash benchmarks/setup_peers.sh                 # all: transformers, vllm, llama-cpp
+#   bash benchmarks/setup_peers.sh                 # all: transformers, vllm, llama-cpp, openvino
 #   bash benchmarks/setup_peers.sh vllm llama-cpp  # some
 #
 # Venvs go to $PAGEDCORE_PEERS_DIR (default ~/.cache/pagedcore/peers/<name>); the bench finds them there.
@@ -10,7 +10,7 @@ set -euo pipefail
 DIR="${PAGEDCORE_PEERS_DIR:-$HOME/.cache/pagedcore/peers}"
 PY="${PYTHON:-python3}"
 mkdir -p "$DIR"
-peers=("$@"); [ ${#peers[@]} -eq 0 ] && peers=(transformers vllm llama-cpp)
+peers=("$@"); [ ${#peers[@]} -eq 0 ] && peers=(transformers vllm llama-cpp openvino)
 
 ok() { [ -x "$DIR/$1/bin/python" ] && "$DIR/$1/bin/python" -c "$2" >/dev/null 2>&1; }
 
@@ -37,7 +37,17 @@ for p in "${peers[@]}"; do
       CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_INT8=OFF" \
         "$DIR/llama-cpp/bin/pip" install -q llama-cpp-python
       ;;
-    *) echo "unknown peer '$p' (transformers, vllm, llama-cpp)" >&2; exit 2 ;;
+    openvino)
+      ok openvino "import openvino, openvino_genai, openvino_tokenizers, optimum.intel, transformers" \
+        && { echo "openvino: ready"; continue; }
+      "$PY" -m venv "$DIR/openvino"
+      # Versions checked together (PEER-FACTS.md); optimum-cli converts the HF directory to OpenVINO IR.
+      "$DIR/openvino/bin/pip" install -q torch==2.13.0 openvino==2026.4.1 openvino-tokenizers==2026.4.1.0 \
+        openvino-genai==2026.4.1.0 "optimum-intel[openvino]==2.2.0" optimum==2.3.0 transformers==5.5.4 nncf==3.4.0
+      # A CUDA build that breaks the transformers import; the text path does not need it.
+      "$DIR/openvino/bin/pip" uninstall -q -y torchvision || true
+      ;;
+    *) echo "unknown peer '$p' (transformers, vllm, llama-cpp, openvino)" >&2; exit 2 ;;
   esac
   echo "$p: installed in $DIR/$p"
 done

