@@ -58,6 +58,7 @@ from transformers import GenerationConfig
 from transformers.generation import (GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput, GenerationMixin,
                                      GenerationMode)
 
+from pagedcore import packed_linear
 from pagedcore.attention import hf_glue
 from pagedcore.hookspecs import hookimpl
 from pagedcore.llm_engine import LLMEngine
@@ -256,6 +257,7 @@ class _PatchState:
     def close(self, model) -> None:
         self.engine = None
         _set_attn(model, self.original_attn)
+        packed_linear.restore(model)  # the packed copies of the user's weights go with the engine
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self.warned:

@@ -1,5 +1,5 @@
 """The C++ CPU ops (csrc/: paged decode attention, decoder-layer elementwise ops, sampler
-reductions), one extension module built on first use.
+reductions, linears over pre-packed weights), one extension module built on first use.
 
 Compiled once per machine with torch's cpp_extension (about a minute on 2 cores) into
 `$PAGEDCORE_CACHE/cpu_ops/<name>` (default ~/.cache/pagedcore), the name carrying a hash of the
@@ -20,7 +20,8 @@ from pathlib import Path
 logger = logging.getLogger("pagedcore")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("bindings.cpp", "cpu_decode_attention.cpp", "cpu_layer_ops.cpp", "cpu_sampling.cpp")]
+SOURCES = [CSRC / name for name in ("bindings.cpp", "cpu_decode_attention.cpp", "cpu_layer_ops.cpp", "cpu_sampling.cpp",
+                                       "cpu_gemm.cpp")]
 # -ffast-math lets the compiler vectorise the fp32 reductions; the kernel never reads padding, so
 # no inf/NaN from unwritten cache slots can reach it.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]

@@ -33,6 +33,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
     quantization: str | None = None  # None | "int4": weight-only int4 linears (CPU; single-stream speed)
+    pack_weights: bool = True  # CPU: linears run over weights packed once at load (pagedcore/packed_linear.py)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedcore import fast_layers, fused_ops
+from pagedcore import fast_layers, fused_ops, packed_linear
 from pagedcore.attention import hf_glue
 from pagedcore.attention.backend import AttentionMetadata
 from pagedcore.config import EngineConfig
@@ -72,6 +72,8 @@ class ModelRunner:
         hf_glue.install(model)
         fused_ops.install(model, device)
         fast_layers.install(model, device)
+        if config.pack_weights:
+            logger.info("packed linears: %d", packed_linear.install(model, device))
 
     def bytes_per_block(self) -> int:
         s = self.shape

@@ -7,5 +7,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding_", &rotary_embedding_, "rotate q and k in place (transformers' rotate_half RoPE)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("argmax_logsumexp", &argmax_logsumexp, "per row: (argmax, logsumexp)");
+  m.def("pack_linear_weight", &pack_linear_weight, "W [N, K] -> panels [ceil(N/16), K, 16], same dtype");
+  m.def("packed_linear", &packed_linear, "x @ W^T (+ bias) over a packed weight; fp32 accumulation",
+        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none());
   m.def("sample_inverse_cdf", &sample_inverse_cdf, "per row: first token whose running fp64 sum exceeds u * total");
 }

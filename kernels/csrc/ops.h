@@ -26,3 +26,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate, torch::Tensor up);
 // cpu_sampling.cpp
 std::tuple<torch::Tensor, torch::Tensor> argmax_logsumexp(torch::Tensor logits);
 torch::Tensor sample_inverse_cdf(torch::Tensor probs, torch::Tensor u);
+
+// cpu_gemm.cpp
+torch::Tensor pack_linear_weight(torch::Tensor weight);
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias);

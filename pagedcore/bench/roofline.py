@@ -1,7 +1,7 @@
 """The machine's matmul ceiling, measured in the same run, and the model's FLOPs per token.
 
-The ceiling is the best of a few large matmuls through torch in the benchmark's dtype (on this
-CPU, bf16 goes through AMX). Model FLOPs count the weight matmuls only (2 per parameter per
+The ceiling is the best of a few large matmuls through torch, in the benchmark's dtype or in fp32,
+whichever is faster on this CPU (with bf16 units, bf16; on AVX2-only CPUs, fp32). Model FLOPs count the weight matmuls only (2 per parameter per
 token; the LM head only for tokens whose logits are computed); attention's own FLOPs are left
 out, so the achieved fraction is a lower bound.
 
@@ -19,6 +19,24 @@ SHAPES = [(2048, 576, 1536), (2048, 1536, 576), (4096, 1024, 1024), (2048, 2048,
 
 
 def matmul_tflops(dtype: torch.dtype, shapes=SHAPES, seconds: float = 0.5) -> float:
+    """The machine's matmul ceiling for a model in `dtype`: the best of torch's matmul in `dtype` and in
+    fp32 (on CPUs without bf16 units a bf16 model computes in fp32, as pagedcore's packed linears do,
+    and torch's own bf16 matmul is a scalar loop that would take minutes on these shapes)."""
+    best = _best_matmul(torch.float32, shapes, seconds)
+    if dtype != torch.float32 and _probe(dtype) > 0.25 * _probe(torch.float32):
+        best = max(best, _best_matmul(dtype, shapes, seconds))
+    return best
+
+
+def _probe(dtype: torch.dtype, n: int = 256) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    torch.matmul(a, b)
+    t0 = time.perf_counter()
+    torch.matmul(a, b)
+    return 2 * n**3 / (time.perf_counter() - t0)
+
+
+def _best_matmul(dtype: torch.dtype, shapes, seconds: float) -> float:
     best = 0.0
     for m, k, n in shapes:
         a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)

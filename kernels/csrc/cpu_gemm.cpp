@@ -1,0 +1,275 @@
+// Linear layers over weights packed once at load: y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
+//
+// Why our own GEMM: on CPUs without bf16 matmul units (AVX2 only) torch's bf16 matmul falls back to a
+// scalar loop (~1 GFLOP/s) and oneDNN refuses to pre-pack bf16 weights; with units, F.linear still
+// re-lays the weight out on every call. Here the weight is packed once into panels of 16 output
+// columns, [ceil(N/16), K, 16], kept in its own dtype (bf16 halves the bytes a decode step reads),
+// and widened to fp32 in registers; accumulation is fp32, the result rounded once to x's dtype.
+// The micro-kernel keeps a 6 x 16 tile of C in 12 AVX2 registers (BLIS-style); at M = 1 it
+// streams each panel once, so decode runs at memory speed.
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PC_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t NR = 16;  // output columns per packed panel
+constexpr int64_t MR = 6;   // rows of x per micro-kernel tile
+constexpr int64_t MC = 96;  // rows of x per cache block (MC x K fp32 stays in L2)
+// Column held by each of a bf16 panel's 16 slots (its own inverse: it swaps columns 4-7 and 8-11).
+constexpr int64_t BF16_ORDER[NR] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+template <typename W>
+constexpr int64_t slot(int64_t col) { return std::is_same_v<W, c10::BFloat16> ? BF16_ORDER[col] : col; }
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <typename W>
+inline float wval(const W* p) { return static_cast<float>(*p); }
+template <>
+inline float wval<c10::BFloat16>(const c10::BFloat16* p) { return bf16_to_float(p->x); }
+
+#ifdef PC_AVX2
+// 16 packed weights -> two 8-lane fp32 vectors.
+inline void load16(const float* p, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(p);
+  hi = _mm256_loadu_ps(p + 8);
+}
+// bf16 panels are stored in BF16_ORDER, so that interleaving with zeros (one op per half) yields
+// columns 0-7 and 8-15 in order: a bf16 is the top half of its fp32.
+inline void load16(const c10::BFloat16* p, __m256& lo, __m256& hi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i zero = _mm256_setzero_si256();
+  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+}
+
+// C[R, 16] = A @ panel[K, 16], A packed [K, R] fp32; R <= MR, results to c (row stride 16).
+// Accumulators are named variables, not an array: with an array GCC spills them every iteration.
+#define PC_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+template <int R, typename W>
+__attribute__((noinline)) void micro_kernel(const float* a, const W* panel, int64_t K, float* c) {
+#define PC_DECL(r) __m256 c##r##0 = _mm256_setzero_ps(), c##r##1 = _mm256_setzero_ps();
+  PC_ROWS(PC_DECL)
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 b0, b1;
+    load16(panel + k * NR, b0, b1);
+    const float* ak = a + k * R;
+#define PC_FMA(r)                                         \
+    if constexpr (R > r) {                                \
+      const __m256 av = _mm256_broadcast_ss(ak + r);      \
+      c##r##0 = _mm256_fmadd_ps(av, b0, c##r##0);         \
+      c##r##1 = _mm256_fmadd_ps(av, b1, c##r##1);         \
+    }
+    PC_ROWS(PC_FMA)
+  }
+#define PC_STORE(r)                                       \
+  if constexpr (R > r) {                                  \
+    _mm256_storeu_ps(c + r * NR, c##r##0);                \
+    _mm256_storeu_ps(c + r * NR + 8, c##r##1);            \
+  }
+  PC_ROWS(PC_STORE)
+}
+
+// One or two rows (decode): too few independent FMA chains to hide the FMA latency, so the k loop
+// runs S interleaved accumulator sets, summed at the end.
+template <int R, int S, typename W>
+__attribute__((noinline)) void micro_kernel_thin(const float* a, const W* panel, int64_t K, float* c) {
+  __m256 acc[S][R][2];
+  for (int s = 0; s < S; ++s)
+    for (int r = 0; r < R; ++r) acc[s][r][0] = acc[s][r][1] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + S <= K; k += S) {
+    // Decode streams every weight from memory once: ask for it ~1 KiB ahead.
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 32) * NR), _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int s = 0; s < S; ++s) {
+      __m256 b0, b1;
+      load16(panel + (k + s) * NR, b0, b1);
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) {
+        const __m256 av = _mm256_broadcast_ss(a + (k + s) * R + r);
+        acc[s][r][0] = _mm256_fmadd_ps(av, b0, acc[s][r][0]);
+        acc[s][r][1] = _mm256_fmadd_ps(av, b1, acc[s][r][1]);
+      }
+    }
+  }
+  for (; k < K; ++k) {
+    __m256 b0, b1;
+    load16(panel + k * NR, b0, b1);
+    for (int r = 0; r < R; ++r) {
+      const __m256 av = _mm256_broadcast_ss(a + k * R + r);
+      acc[0][r][0] = _mm256_fmadd_ps(av, b0, acc[0][r][0]);
+      acc[0][r][1] = _mm256_fmadd_ps(av, b1, acc[0][r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m256 lo = acc[0][r][0], hi = acc[0][r][1];
+    for (int s = 1; s < S; ++s) {
+      lo = _mm256_add_ps(lo, acc[s][r][0]);
+      hi = _mm256_add_ps(hi, acc[s][r][1]);
+    }
+    _mm256_storeu_ps(c + r * NR, lo);
+    _mm256_storeu_ps(c + r * NR + 8, hi);
+  }
+}
+#define PC_THIN 1
+#else
+template <int R, typename W>
+void micro_kernel(const float* a, const W* panel, int64_t K, float* c) {
+  float acc[R][NR] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    const W* b = panel + k * NR;
+    for (int r = 0; r < R; ++r) {
+      const float av = a[k * R + r];
+      for (int j = 0; j < NR; ++j) acc[r][j] += av * wval(b + slot<W>(j));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NR; ++j) c[r * NR + j] = acc[r][j];
+}
+#endif
+
+template <typename W>
+inline void tile(int64_t rows, const float* a, const W* panel, int64_t K, float* c) {
+  switch (rows) {
+#ifdef PC_THIN
+    case 1: micro_kernel_thin<1, 4>(a, panel, K, c); break;
+    case 2: micro_kernel_thin<2, 2>(a, panel, K, c); break;
+#else
+    case 1: micro_kernel<1>(a, panel, K, c); break;
+    case 2: micro_kernel<2>(a, panel, K, c); break;
+#endif
+    case 3: micro_kernel<3>(a, panel, K, c); break;
+    case 4: micro_kernel<4>(a, panel, K, c); break;
+    case 5: micro_kernel<5>(a, panel, K, c); break;
+    default: micro_kernel<6>(a, panel, K, c); break;
+  }
+}
+
+// Row tile t of x (rows [t*MR, t*MR + R)) as fp32 packed [K, R] at xp + t*MR*K: the micro-kernel
+// then reads A sequentially.
+template <typename X>
+void pack_tiles(const X* x, int64_t M, int64_t K, int64_t t0, int64_t t1, float* xp) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t i0 = t * MR, R = std::min(MR, M - i0);
+    float* out = xp + i0 * K;
+    for (int64_t r = 0; r < R; ++r) {
+      const X* row = x + (i0 + r) * K;
+      for (int64_t k = 0; k < K; ++k) out[k * R + r] = static_cast<float>(row[k]);
+    }
+  }
+}
+
+// A panel widened to fp32 once, so that for many rows the micro-kernel does not convert it again
+// per tile (bf16 -> fp32 costs about a third of the FMA time).
+template <typename W>
+const float* widen_panel(const W* panel, int64_t K, float* buf) {
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t j = 0; j < NR; ++j) buf[k * NR + j] = static_cast<float>(panel[k * NR + slot<W>(j)]);
+  return buf;
+}
+template <>
+const float* widen_panel<float>(const float* panel, int64_t, float*) { return panel; }
+
+template <typename X, typename W>
+void gemm(const X* x, const W* packed, const float* bias, X* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t panels = (N + NR - 1) / NR, tiles = (M + MR - 1) / MR;
+  // fp32 copy of x once per call: the micro-kernel broadcasts from it K x panels times.
+  std::vector<float> xp(static_cast<size_t>(M * K));
+  at::parallel_for(0, tiles, grain_for(MR * K), [&](int64_t b, int64_t e) { pack_tiles(x, M, K, b, e, xp.data()); });
+  const bool widen = M > 2 * MR;
+  // Split the columns between threads: each weight panel is read by one thread only. Grain: about
+  // 64k multiply-adds per chunk, so a tiny matmul runs inline.
+  at::parallel_for(0, panels, grain_for(M * K * NR, 65536), [&](int64_t p0, int64_t p1) {
+    float c[MR * NR];
+    std::vector<float> wbuf(widen ? static_cast<size_t>(K * NR) : 0);
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+      const int64_t m1 = std::min(M, m0 + MC);
+      for (int64_t p = p0; p < p1; ++p) {
+        const W* panel = packed + p * K * NR;
+        const float* wide = widen ? widen_panel(panel, K, wbuf.data()) : nullptr;
+        const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
+        for (int64_t i = m0; i < m1; i += MR) {
+          const int64_t rows = std::min(MR, m1 - i);
+          if (wide)
+            tile(rows, xp.data() + i * K, wide, K, c);
+          else
+            tile(rows, xp.data() + i * K, panel, K, c);
+          for (int64_t r = 0; r < rows; ++r) {
+            X* out = y + (i + r) * N + n0;
+            const float* cr = c + r * NR;
+            if (bias)
+              for (int64_t j = 0; j < ncols; ++j) out[j] = static_cast<X>(cr[j] + bias[n0 + j]);
+            else
+              for (int64_t j = 0; j < ncols; ++j) out[j] = static_cast<X>(cr[j]);
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor pack_linear_weight(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2, "weight: [N, K]");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
+              "packed linear weights: float32 or bfloat16");
+  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + NR - 1) / NR;
+  auto padded = torch::zeros({panels * NR, K}, weight.options());
+  padded.narrow(0, 0, N).copy_(weight);
+  // [panels, 16, K] -> [panels, K, 16]: a panel's 16 weights of one k are contiguous.
+  auto packed = padded.view({panels, NR, K}).transpose(1, 2);
+  if (weight.scalar_type() == at::kBFloat16)
+    packed = packed.index_select(2, torch::tensor(std::vector<int64_t>(BF16_ORDER, BF16_ORDER + NR)));
+  return packed.contiguous();
+}
+
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NR && packed.is_contiguous(), "packed: [panels, K, 16]");
+  const int64_t K = packed.size(1), N = out_features;
+  TORCH_CHECK(x.size(-1) == K, "x's last dimension must be the weight's in_features");
+  TORCH_CHECK(packed.size(0) * NR >= N, "out_features larger than the packed weight");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x: float32 or bfloat16");
+  auto x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = N;
+  auto y = torch::empty({M, N}, x.options());
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == N, "bias: [out_features]");
+  }
+  const float* pb = b.defined() ? b.data_ptr<float>() : nullptr;
+  if (M > 0) {
+    AT_DISPATCH_SWITCH(x2.scalar_type(), "packed_linear_x",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        using X = scalar_t;
+        AT_DISPATCH_SWITCH(packed.scalar_type(), "packed_linear_w",
+          AT_DISPATCH_CASE(at::kFloat, [&] { gemm<X, scalar_t>(x2.data_ptr<X>(), packed.data_ptr<scalar_t>(), pb, y.data_ptr<X>(), M, N, K); })
+          AT_DISPATCH_CASE(at::kBFloat16, [&] { gemm<X, scalar_t>(x2.data_ptr<X>(), packed.data_ptr<scalar_t>(), pb, y.data_ptr<X>(), M, N, K); }));
+      })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        using X = scalar_t;
+        AT_DISPATCH_SWITCH(packed.scalar_type(), "packed_linear_w",
+          AT_DISPATCH_CASE(at::kFloat, [&] { gemm<X, scalar_t>(x2.data_ptr<X>(), packed.data_ptr<scalar_t>(), pb, y.data_ptr<X>(), M, N, K); })
+          AT_DISPATCH_CASE(at::kBFloat16, [&] { gemm<X, scalar_t>(x2.data_ptr<X>(), packed.data_ptr<scalar_t>(), pb, y.data_ptr<X>(), M, N, K); }));
+      }));
+  }
+  return y.view(out_sizes);
+}

@@ -1,0 +1,156 @@
+"""`pagedcore bench linears`: each of the model's linear shapes at M = 1, 8, 64, 512 rows, the way the
+engine runs it, against the machine's read bandwidth and matmul peak measured in the same run.
+
+Small M is bound by reading the weight: the row reports GB/s of weight read against the bandwidth.
+Large M is bound by arithmetic: TFLOP/s against the matmul peak. Each shape cycles through enough
+copies of its weight (>= 64 MiB) that every call reads it from memory, as a decode step over 30
+layers does. Rows: `packed` (pagedcore's pre-packed kernel, what the engine runs), `F.linear`
+(torch, what transformers runs; skipped where it would take minutes), `int4` (opt-in 4-bit weights).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Per-call budget above which F.linear is not timed (torch's bf16 matmul on CPUs without bf16 units).
+SLOW_CALL_S = 0.5
+
+
+@dataclass
+class Row:
+    shape: str
+    n: int
+    k: int
+    m: int
+    impl: str
+    us: float
+    gbs: float  # weight bytes read / time
+    tflops: float
+    bw_frac: float  # gbs / machine read bandwidth
+    peak_frac: float  # tflops / machine matmul peak
+
+
+def model_shapes(hf_config) -> dict[str, tuple[int, int]]:
+    """name -> (out_features, in_features) of a Llama-style decoder's linears, from its config."""
+    c = hf_config.get_text_config()
+    heads, kv = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    hd = getattr(c, "head_dim", None) or c.hidden_size // heads
+    h, i = c.hidden_size, c.intermediate_size
+    return {"q_proj": (heads * hd, h), "k_proj/v_proj": (kv * hd, h), "o_proj": (h, heads * hd),
+            "gate_proj/up_proj": (i, h), "down_proj": (h, i), "lm_head": (c.vocab_size, h)}
+
+
+def _time(fn, calls: int, seconds: float) -> float:
+    """Best seconds per call over repeated passes of `calls` calls."""
+    fn(0)
+    best, t_end = math.inf, time.perf_counter() + seconds
+    while True:
+        t0 = time.perf_counter()
+        for j in range(calls):
+            fn(j)
+        best = min(best, (time.perf_counter() - t0) / calls)
+        if time.perf_counter() >= t_end:
+            return best
+
+
+def bench_shape(name, n, k, ms, dtype, impls, bw_gbs, peak_tflops, seconds) -> list[Row]:
+    from pagedcore.kernels import cpu_ext
+    from pagedcore.quantization import Int4Linear
+
+    ext = cpu_ext.load()
+    elem = torch.empty((), dtype=dtype).element_size()
+    copies = max(2, math.ceil(64 * 2**20 / (n * k * elem)))
+    weights = [(torch.randn(n, k) * 0.02).to(dtype) for _ in range(copies)]
+    runners = {}
+    if "packed" in impls and ext is not None:
+        packed = [ext.pack_linear_weight(w) for w in weights]
+        runners["packed"] = (lambda x, j: ext.packed_linear(x, packed[j % copies], n), n * k * elem)
+    if "F.linear" in impls:
+        runners["F.linear"] = (lambda x, j: F.linear(x, weights[j % copies]), n * k * elem)
+    if "int4" in impls and k % 32 == 0 and n % 16 == 0:
+        q = [Int4Linear(torch.nn.Linear(k, n, bias=False, dtype=dtype).requires_grad_(False), dtype)
+             for _ in range(min(copies * 4, 64))]
+        runners["int4"] = (lambda x, j: q[j % len(q)](x), n * k // 2 + n * k // 32 * 2 * elem)
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k).to(dtype)
+        for impl, (fn, nbytes) in runners.items():
+            t0 = time.perf_counter()
+            fn(x, 0)
+            if time.perf_counter() - t0 > SLOW_CALL_S:
+                print(f"  {name} M={m} {impl}: skipped (one call took {time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+                continue
+            dt = _time(lambda j: fn(x, j), min(copies, 32), seconds)
+            gbs, tflops = nbytes / dt / 1e9, 2 * m * n * k / dt / 1e12
+            rows.append(Row(name, n, k, m, impl, dt * 1e6, gbs, tflops, gbs / bw_gbs, tflops / peak_tflops))
+    return rows
+
+
+def targets(rows: list[Row]) -> list[dict]:
+    """Issue 13: each shape at M=1 >= 80% of the read bandwidth, at M=512 >= 85% of the matmul peak
+    (pagedcore's own kernel, the packed rows)."""
+    out = []
+    for r in rows:
+        if r.impl != "packed" or r.m not in (1, 512):
+            continue
+        value, want = (r.bw_frac, 0.80) if r.m == 1 else (r.peak_frac, 0.85)
+        what = "read bandwidth" if r.m == 1 else "matmul peak"
+        out.append({"name": f"{r.shape} M={r.m} fraction of {what}", "value": round(value, 3),
+                    "target": f">= {want}", "met": value >= want})
+    return out
+
+
+def main(args) -> int:
+    from transformers import AutoConfig
+
+    from pagedcore.bench import roofline
+    from pagedcore.model_loader import resolve_model_dir
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    dtype = getattr(torch, args.dtype)
+    shapes = model_shapes(AutoConfig.from_pretrained(str(resolve_model_dir(args.model))))
+    if args.shapes:
+        shapes = {k: v for k, v in shapes.items() if k in args.shapes.split(",")}
+    ms = [int(m) for m in args.m.split(",")]
+    bw = roofline.read_bandwidth_gbs()
+    peak = roofline.matmul_tflops(dtype)
+    print(f"machine: read {bw:.1f} GB/s, matmul peak {peak * 1e3:.1f} GFLOP/s ({args.dtype} model), "
+          f"{torch.get_num_threads()} threads")
+    rows = []
+    for name, (n, k) in shapes.items():
+        rows += bench_shape(name, n, k, ms, dtype, args.impls.split(","), bw, peak, args.seconds)
+    print(f"{'shape':18s} {'N':>6s} {'K':>5s} {'M':>4s} {'impl':9s} {'us':>10s} {'GB/s':>7s} {'of bw':>6s} "
+          f"{'GFLOP/s':>8s} {'of peak':>7s}")
+    for r in rows:
+        print(f"{r.shape:18s} {r.n:6d} {r.k:5d} {r.m:4d} {r.impl:9s} {r.us:10.1f} {r.gbs:7.1f} {r.bw_frac:6.0%} "
+              f"{r.tflops * 1e3:8.1f} {r.peak_frac:7.0%}")
+    report = {"bench": "linears", "dtype": args.dtype, "threads": torch.get_num_threads(), "read_gbs": bw,
+              "matmul_tflops": peak, "rows": [asdict(r) for r in rows], "targets": targets(rows)}
+    for t in report["targets"]:
+        print(f"target {t['name']}: {t['value']} (want {t['target']}): {'met' if t['met'] else 'NOT met'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def add_parser(bsub) -> None:
+    p = bsub.add_parser("linears", help="each linear shape of the model at M=1..512 vs read bandwidth and matmul peak")
+    p.add_argument("--model", default=None, help="HF dir or GGUF (default: the bundled SmolLM2)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--m", default="1,8,64,512", help="comma list of row counts")
+    p.add_argument("--shapes", default=None, help="comma list of shape names (default: all)")
+    p.add_argument("--impls", default="packed,F.linear,int4", help="comma list of packed, F.linear, int4")
+    p.add_argument("--seconds", type=float, default=0.5, help="timing budget per row")
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=main)

@@ -1,0 +1,63 @@
+"""Every nn.Linear of the model runs over a weight packed once at load (CPU, fp32 and bf16).
+
+`F.linear` re-lays its weight out for the matmul on every call, and on CPUs without bf16 matmul
+units torch's bf16 matmul is a scalar loop (~1 GFLOP/s, 20-40x below the fp32 FMA rate). The C++
+kernel (kernels/csrc/cpu_gemm.cpp) keeps each weight in 16-column panels in its own dtype, widens
+it to fp32 in registers and accumulates in fp32, rounding the result once to the input's dtype.
+Results equal `F.linear`'s up to the order of the fp32 sums.
+
+Any HF decoder: the Linear modules themselves are patched (their `forward`), so transformers'
+layers, the lean layers and plugins all run through it without per-model code. The original
+weight stays on the module (tied embeddings, state dicts, `restore`). int4 linears keep their own
+pre-packed kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedcore.kernels import cpu_ext
+
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def install(model: nn.Module, device: torch.device) -> int:
+    """Pack every plain nn.Linear's weight and route its forward through the packed kernel; returns
+    how many. Nothing happens off the CPU or without the C++ ops."""
+    ext = cpu_ext.load() if device.type == "cpu" else None
+    if ext is None:
+        return 0
+    count = 0
+    for module in model.modules():
+        if type(module) is nn.Linear and module.weight.dtype in PACKABLE_DTYPES \
+                and module.weight.device.type == "cpu" and not hasattr(module, "_pagedcore_packed"):
+            _patch(ext, module)
+            count += 1
+    return count
+
+
+def restore(model: nn.Module) -> int:
+    """Undo `install`: the modules' own forward again, packed copies dropped; returns how many."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "_pagedcore_packed"):
+            del module._pagedcore_packed
+            module.__dict__.pop("forward", None)
+            count += 1
+    return count
+
+
+def _patch(ext, module: nn.Linear) -> None:
+    packed = ext.pack_linear_weight(module.weight.detach())
+    out_features = module.out_features
+    bias = None if module.bias is None else module.bias.detach()
+    original = type(module).forward
+    module._pagedcore_packed = packed
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != packed.dtype or x.device.type != "cpu" or x.requires_grad:
+            return original(module, x)
+        return ext.packed_linear(x, packed, out_features, bias)
+
+    module.forward = forward

@@ -1,0 +1,117 @@
+"""Linears over pre-packed weights (kernels/csrc/cpu_gemm.cpp, pagedcore/packed_linear.py) against torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedcore import LLM, SamplingParams, packed_linear
+
+# Row counts cover every micro-kernel tile height (1-6), a cache block boundary (96) and more.
+ROWS = [1, 2, 3, 4, 5, 6, 7, 13, 97, 200]
+# Output widths that are and are not a multiple of the 16-column panel.
+SHAPES = [(48, 32), (37, 64), (200, 576), (16, 1)]
+
+
+def _reference(x, w, b):
+    y = x.double() @ w.double().T
+    return y if b is None else y + b.double()
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_matches_float64_reference(ext, m, n, k, bias):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    y = ext.packed_linear(x, ext.pack_linear_weight(w), n, b)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), _reference(x, w, b), rtol=1e-5, atol=1e-4 * k ** 0.5)
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-4 * k ** 0.5)
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_bf16_is_fp32_math_rounded_once(ext, m, n, k):
+    """bf16 in, bf16 out: the exact product of the bf16 values, summed in fp32, rounded once."""
+    g = torch.Generator().manual_seed(m + 7 * n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    y = ext.packed_linear(x, ext.pack_linear_weight(w), n, b)
+    assert y.dtype == torch.bfloat16
+    ref = _reference(x, w, b)
+    # One bf16 rounding (rel 2^-8) of the result; fp32 summation error is far below it.
+    torch.testing.assert_close(y.double(), ref, rtol=2 ** -8, atol=1e-3 * k ** 0.5)
+    assert (y.double() == ref.bfloat16().double()).float().mean() > 0.9
+
+
+def test_leading_dims_and_non_contiguous_input(ext):
+    w = torch.randn(40, 24)
+    x = torch.randn(3, 24, 5).transpose(1, 2)  # [3, 5, 24], not contiguous
+    y = ext.packed_linear(x, ext.pack_linear_weight(w), 40)
+    assert y.shape == (3, 5, 40)
+    torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_nan_and_inf_propagate(ext):
+    w = torch.randn(32, 16)
+    x = torch.randn(4, 16)
+    x[1, 3] = float("nan")
+    x[2, 0] = float("inf")
+    for dtype in (torch.float32, torch.bfloat16):
+        y = ext.packed_linear(x.to(dtype), ext.pack_linear_weight(w.to(dtype)), 32).float()
+        ref = F.linear(x.double(), w.double()).float()
+        assert torch.isnan(y[1]).all()
+        assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.equal(torch.isinf(y), torch.isinf(ref))
+
+
+def test_bad_shapes_raise(ext):
+    packed = ext.pack_linear_weight(torch.randn(32, 16))
+    with pytest.raises(RuntimeError, match="in_features"):
+        ext.packed_linear(torch.randn(2, 17), packed, 32)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ext.pack_linear_weight(torch.randn(32, 16).half())
+
+
+def test_install_patches_every_linear_and_restore_undoes_it(ext):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 8, bias=False))
+    x = torch.randn(5, 24)
+    before = model(x)
+    assert packed_linear.install(model, torch.device("cpu")) == 2
+    assert all(hasattr(m, "_pagedcore_packed") for m in model if isinstance(m, torch.nn.Linear))
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), before, rtol=1e-5, atol=1e-5)
+    assert packed_linear.install(model, torch.device("cpu")) == 0  # idempotent
+    assert packed_linear.restore(model) == 2
+    assert not any(hasattr(m, "_pagedcore_packed") or "forward" in m.__dict__ for m in model)
+    torch.testing.assert_close(model(x), before)
+
+
+def test_training_input_keeps_torch_path(ext):
+    """A tensor that needs gradients goes through F.linear (the kernel has no backward)."""
+    lin = torch.nn.Linear(16, 16)
+    packed_linear.install(lin, torch.device("cpu"))
+    x = torch.randn(2, 16, requires_grad=True)
+    lin(x).sum().backward()
+    assert x.grad is not None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_tokens_equal_with_and_without_packing(ext, tiny_model_dir, dtype):
+    prompts = [[5 + i for i in range(n)] for n in (3, 20, 41)]
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=2)
+    runs = {}
+    for pack in (True, False):
+        llm = LLM(str(tiny_model_dir("qwen2")), dtype=dtype, num_kv_blocks=64, pack_weights=pack)
+        linears = [m for m in llm.engine.model.modules() if isinstance(m, torch.nn.Linear)]
+        assert all(hasattr(m, "_pagedcore_packed") == pack for m in linears)
+        runs[pack] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    tol = 1e-4 if dtype == "float32" else 0.1
+    for a, b in zip(runs[True], runs[False]):
+        assert a.token_ids == b.token_ids
+        for tok, sa, sb in zip(a.token_ids, a.logprobs, b.logprobs):
+            assert abs(sa[tok].logprob - sb[tok].logprob) < tol
