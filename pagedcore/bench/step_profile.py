@@ -1,0 +1,172 @@
+"""Where a decode step's time goes: prepare / GEMMs / attention / other forward / sample / output processing.
+
+`pagedcore bench step` (and `bench throughput`, in its report) fills a running batch of B sequences,
+lets them reach decode, then times steps with wall-clock timers wrapped around the engine's parts
+for the duration of the measurement only:
+  prepare        ModelRunner.prepare + the backend's build_metadata (the step's batch tensors)
+  GEMMs          inside every nn.Linear / int4 linear of the model
+  attention      inside the attention backend's forward (KV write + paged attention)
+  other forward  the rest of the model forward (norms, RoPE, activations, embedding, Python)
+  sample         the Sampler
+  output         the rest of LLMEngine.step (bookkeeping, stop checks, detokenizing, outputs)
+Beside them, the floors measured in the same run: reading all weights once at the machine's read
+bandwidth (bounds a batch-1 step) and the step's matmul FLOPs at the matmul peak (bounds B = 64).
+CPU only: on a GPU these timers would need synchronisation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from collections import defaultdict
+
+import torch
+
+PARTS = ("prepare", "gemm", "attention", "other_forward", "sample", "output")
+
+
+class StepTimers:
+    def __init__(self):
+        self.total = defaultdict(float)
+
+    def wrap(self, key: str, fn):
+        total = self.total
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                total[key] += time.perf_counter() - t0
+
+        return timed
+
+
+@contextlib.contextmanager
+def instrument(engine, timers: StepTimers):
+    """Wrap the engine's parts with timers; everything is put back on exit."""
+    runner, undo = engine.runner, []
+
+    def set_attr(obj, name, value):
+        had = name in vars(obj)
+        old = vars(obj).get(name)
+        setattr(obj, name, value)
+        undo.append(lambda: setattr(obj, name, old) if had else delattr(obj, name))
+
+    set_attr(runner, "prepare", timers.wrap("prepare", runner.prepare))
+    set_attr(runner, "execute", timers.wrap("execute", runner.execute))
+    backend = runner.backend
+    set_attr(backend, "build_metadata", timers.wrap("prepare", backend.build_metadata))
+    set_attr(backend, "forward", timers.wrap("attention", backend.forward))
+    set_attr(engine, "sampler", timers.wrap("sample", engine.sampler))
+    for module in engine.model.modules():
+        if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Int4Linear":
+            set_attr(module, "forward", timers.wrap("gemm", module.forward))
+    try:
+        yield
+    finally:
+        for fn in reversed(undo):
+            fn()
+
+
+def fill_batch(engine, batch: int, prompt_len: int, max_tokens: int, seed: int = 0) -> None:
+    """Admit `batch` requests of random prompts and step until every one of them is decoding."""
+    from pagedcore import SamplingParams
+
+    rng = random.Random(seed)
+    for _ in range(batch):
+        prompt = [rng.randrange(100, engine.vocab_size) for _ in range(prompt_len)]
+        engine.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    s = engine.scheduler
+    while s.waiting or s.swapped or any(q.num_output_tokens == 0 for q in s.running):
+        engine.step()
+
+
+def profile_decode(engine, batch: int, prompt_len: int = 128, steps: int = 10) -> dict:
+    """Mean milliseconds per decode step, split into PARTS, at a running batch of `batch` sequences."""
+    fill_batch(engine, batch, prompt_len, max_tokens=steps + 8)
+    engine.step()  # one untimed decode step at the full batch
+    timers, t_step = StepTimers(), 0.0
+    with instrument(engine, timers):
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine.step()
+            t_step += time.perf_counter() - t0
+    engine.abort_request(list(engine.requests))
+    while engine.has_unfinished_requests():
+        engine.step()
+    t = timers.total
+    forward = t["execute"] - t["prepare"]
+    ms = {"prepare": t["prepare"], "gemm": t["gemm"], "attention": t["attention"],
+          "other_forward": forward - t["gemm"] - t["attention"], "sample": t["sample"],
+          "output": t_step - t["execute"] - t["sample"]}
+    row = {k: round(v / steps * 1e3, 2) for k, v in ms.items()}
+    row.update(batch=batch, step_ms=round(t_step / steps * 1e3, 2))
+    return row
+
+
+def floors(engine, batch: int, read_gbs: float, matmul_tflops: float) -> dict:
+    """The step's lower bounds on this machine: all weights read once; its matmul FLOPs at the peak."""
+    from pagedcore.bench import roofline
+
+    per_token, head = roofline.model_flops(engine.model)
+    return {"weight_read_ms": round(roofline.weight_bytes(engine.model) / read_gbs / 1e6, 2),
+            "matmul_ms": round((per_token + head) * batch / matmul_tflops / 1e9, 2)}
+
+
+def run(engine, batches=(1, 64), read_gbs: float | None = None, matmul_tflops: float | None = None,
+        prompt_len: int = 128, steps: int = 10) -> list[dict]:
+    from pagedcore.bench import roofline
+
+    read_gbs = read_gbs or roofline.read_bandwidth_gbs()
+    matmul_tflops = matmul_tflops or roofline.matmul_tflops(engine.dtype)
+    return [dict(profile_decode(engine, b, prompt_len, steps), **floors(engine, b, read_gbs, matmul_tflops))
+            for b in batches]
+
+
+def format_rows(rows: list[dict]) -> list[str]:
+    head = f"{'batch':>5s} {'step ms':>8s} " + " ".join(f"{p:>13s}" for p in PARTS) + f" {'weights ms':>10s} {'matmul ms':>9s}"
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['batch']:5d} {r['step_ms']:8.2f} " + " ".join(f"{r[p]:13.2f}" for p in PARTS)
+                     + f" {r['weight_read_ms']:10.2f} {r['matmul_ms']:9.2f}")
+    return lines
+
+
+def main(args) -> int:
+    import json
+    import sys
+
+    from pagedcore import LLMEngine
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    settings = dict(model=args.model, dtype=args.dtype, max_num_seqs=max(args.batches))
+    if args.no_pack:
+        settings["pack_weights"] = False
+    if args.quantization:
+        settings["quantization"] = args.quantization
+    engine = LLMEngine(**settings)
+    rows = run(engine, args.batches, prompt_len=args.prompt_len, steps=args.steps)
+    print(f"decode step profile, {args.dtype}, {torch.get_num_threads()} threads (ms per step)")
+    print("\n".join(format_rows(rows)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bench": "step", "dtype": args.dtype, "settings": settings, "rows": rows}, f, indent=2)
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def add_parser(bsub) -> None:
+    p = bsub.add_parser("step", help="decode step time split into prepare / GEMMs / attention / other / sample / output")
+    p.add_argument("--model", default=None, help="HF dir or GGUF (default: the bundled SmolLM2)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--no-pack", action="store_true", help="F.linear over unpacked weights (for before/after)")
+    p.add_argument("--quantization", default=None, choices=["int4"])
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=main)

@@ -1,0 +1,68 @@
+"""Smoke runs of `pagedcore bench step` and `pagedcore bench linears`: the commands, their parts and JSON.
+No timing asserts: CI proves the benchmarks run and report what they measured."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pagedcore import LLMEngine
+from pagedcore.bench import linears, step_profile
+from pagedcore.cli import main
+
+
+def test_step_profile_parts_add_up_and_instrumentation_is_removed(tiny_model_dir):
+    engine = LLMEngine(model=str(tiny_model_dir("llama")), num_kv_blocks=64, max_num_seqs=4)
+    before = {id(m): m.__dict__.get("forward") for m in engine.model.modules()}
+    rows = step_profile.run(engine, batches=(1, 4), read_gbs=10.0, matmul_tflops=0.05, prompt_len=20, steps=3)
+    for row in rows:
+        parts = [row[p] for p in step_profile.PARTS]
+        assert all(v >= 0 for v in parts if v is not None) and row["gemm"] > 0 and row["attention"] > 0
+        assert sum(parts) == pytest.approx(row["step_ms"], rel=0.05, abs=0.1)
+        assert row["weight_read_ms"] > 0 and row["matmul_ms"] > 0
+    assert rows[1]["matmul_ms"] == pytest.approx(4 * rows[0]["matmul_ms"], rel=0.05)
+    # Nothing of the timers stays behind: same forwards, sampler and runner methods as before.
+    assert {id(m): m.__dict__.get("forward") for m in engine.model.modules()} == before
+    assert "prepare" not in vars(engine.runner) and "sampler" in vars(engine) and callable(engine.sampler.plain_greedy)
+    assert not engine.has_unfinished_requests() and engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_bench_step_cli(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "step.json"
+    rc = main(["bench", "step", "--model", str(tiny_model_dir("llama")), "--dtype", "float32", "--batches", "1,2",
+               "--prompt-len", "12", "--steps", "2", "--num-threads", "1", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert [r["batch"] for r in report["rows"]] == [1, 2]
+    assert "other_forward" in capsys.readouterr().out
+
+
+def test_bench_linears_cli(tmp_path, capsys):
+    out = tmp_path / "lin.json"
+    rc = main(["bench", "linears", "--dtype", "bfloat16", "--m", "1,8", "--shapes", "k_proj/v_proj",
+               "--seconds", "0.05", "--num-threads", "1", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    impls = {(r["impl"], r["m"]) for r in report["rows"]}
+    assert ("packed", 1) in impls and ("packed", 8) in impls and ("int4", 1) in impls
+    assert report["read_gbs"] > 0 and report["matmul_tflops"] > 0
+    assert [t["name"] for t in report["targets"]] == ["k_proj/v_proj M=1 fraction of read bandwidth"]
+
+
+def test_linear_shapes_of_smollm2(smollm2_dir):
+    from transformers import AutoConfig
+
+    shapes = linears.model_shapes(AutoConfig.from_pretrained(str(smollm2_dir)))
+    assert shapes["q_proj"] == (576, 576) and shapes["k_proj/v_proj"] == (192, 576)
+    assert shapes["gate_proj/up_proj"] == (1536, 576) and shapes["down_proj"] == (576, 1536)
+    assert shapes["lm_head"] == (49152, 576)
+
+
+def test_linear_targets():
+    row = lambda m, impl, bw, peak: linears.Row("q", 1, 1, m, impl, 1.0, 1.0, 1.0, bw, peak)
+    got = linears.targets([row(1, "packed", 0.85, 0.0), row(512, "packed", 0.0, 0.5), row(1, "F.linear", 0.1, 0),
+                           row(64, "packed", 0.1, 0.1)])
+    assert [(t["name"], t["met"]) for t in got] == [("q M=1 fraction of read bandwidth", True),
+                                                    ("q M=512 fraction of matmul peak", False)]
