@@ -11,6 +11,7 @@ from pagedcore import fast_layers, fused_ops, packed_linear
 from pagedcore.attention import hf_glue
 from pagedcore.attention.backend import AttentionMetadata
 from pagedcore.config import EngineConfig
+from pagedcore.input_batch import InputBatch
 from pagedcore.scheduler import SchedulerOutput
 
 logger = logging.getLogger("pagedcore")
@@ -74,6 +75,8 @@ class ModelRunner:
         fast_layers.install(model, device)
         if config.pack_weights:
             logger.info("packed linears: %d", packed_linear.install(model, device))
+        max_len = min(config.max_model_len or self.shape.max_position_embeddings, self.num_blocks * self.block_size)
+        self.input_batch = InputBatch(config.max_num_seqs, max_len, self.block_size)
 
     def bytes_per_block(self) -> int:
         s = self.shape
@@ -119,47 +122,21 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
         """Build input ids, positions, the attention metadata, and which rows' logits to keep."""
-        input_ids: list[int] = []
-        starts, q_lens, block_tables, sample_rows = [], [], [], []
-        for seq, n in sched.scheduled:
-            start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start:start + n])
-            starts.append(start)
-            q_lens.append(n)
-            block_tables.append(seq.block_table)
-        seq_lens = [s + n for s, n in zip(starts, q_lens)]
-        for i, (seq, _) in enumerate(sched.scheduled):
-            if seq_lens[i] == seq.num_tokens:  # this chunk reaches the end: a new token is sampled
-                sample_rows.append(i)
-
+        b = self.input_batch.apply(sched)  # persistent rows: only this step's changes are copied
         dev = self.device
-        q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
-        qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
-        torch.cumsum(q_lens_t, 0, out=qsl[1:])
-        # position of token t = start of its sequence + its offset inside the sequence's chunk
-        offsets = torch.tensor(starts, dtype=torch.int64) - qsl[:-1]
-        positions = torch.arange(qsl[-1].item()) + torch.repeat_interleave(offsets, q_lens_t)
-        seq_idx = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t)
-
-        width = max(len(bt) for bt in block_tables)
-        block_table = torch.tensor([bt + [0] * (width - len(bt)) for bt in block_tables], dtype=torch.int32)
-        slot_mapping = block_table[seq_idx, positions // self.block_size].long() * self.block_size \
-            + positions % self.block_size
-        qsl_list = qsl.tolist()
         metadata = AttentionMetadata(
-            num_tokens=len(input_ids),
-            query_start_loc=qsl.to(dev, torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_table=block_table.to(dev),
-            slot_mapping=slot_mapping.to(dev),
-            max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=qsl_list,
-            seq_lens_cpu=seq_lens,
+            num_tokens=b.num_tokens,
+            query_start_loc=b.query_start_loc.to(dev),
+            seq_lens=b.seq_lens.to(dev),
+            block_table=b.block_table.to(dev),
+            slot_mapping=b.slot_mapping.to(dev),
+            max_query_len=b.max_query_len,
+            max_seq_len=b.max_seq_len,
+            query_start_loc_cpu=b.query_start_loc_cpu,
+            seq_lens_cpu=b.seq_lens_cpu,
             block_size=self.block_size,
         )
-        logits_indices = torch.tensor([qsl_list[i + 1] - 1 for i in sample_rows], dtype=torch.int64, device=dev)
-        return ModelInput(torch.tensor(input_ids, device=dev), positions.to(dev), metadata, logits_indices, sample_rows)
+        return ModelInput(b.input_ids.to(dev), b.positions.to(dev), metadata, b.logits_indices.to(dev), b.sample_rows)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[int], torch.Tensor]:

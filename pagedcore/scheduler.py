@@ -26,6 +26,9 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
+    # sequences finished (stopped, aborted, dropped beams) since the last step with work:
+    # the runner frees their rows of the persistent input batch
+    finished_seq_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +63,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.num_recomputes = 0
+        self._finished_seq_ids: list[int] = []
         self._on_event = on_event or (lambda kind, seq, mode=None: None)
 
     def add(self, seq: Sequence) -> None:
@@ -84,6 +88,8 @@ class Scheduler:
             if not self.swapped:  # swapped sequences come back before new ones start
                 self._schedule_waiting(out, budget)
         out.blocks_to_copy = self.kv.take_pending_copies()
+        if out.scheduled:  # the engine runs only steps with work: keep the news for one of those
+            out.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -170,3 +176,4 @@ class Scheduler:
             self.swapped.remove(seq)
         self.kv.free(seq)
         seq.status = status
+        self._finished_seq_ids.append(seq.seq_id)
