@@ -32,9 +32,15 @@ for p in "${peers[@]}"; do
     llama-cpp)
       ok llama-cpp "import llama_cpp" && { echo "llama-cpp: ready"; continue; }
       "$PY" -m venv "$DIR/llama-cpp"
-      # The native build segfaults in ggml's AMX path on this CPU (upstream bug): build AVX-512 without AMX.
-      CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" \
-      CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_INT8=OFF" \
+      # The native build segfaults in ggml's AMX path on Zen 4 (upstream bug): explicit ISA flags, no
+      # AMX; AVX-512 only where the CPU has it (an AVX2-only EPYC would die on SIGILL).
+      isa="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AMX_INT8=OFF"
+      if grep -q avx512f /proc/cpuinfo; then
+        isa="$isa -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
+      else
+        isa="$isa -DGGML_AVX512=OFF"
+      fi
+      CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" CMAKE_ARGS="$isa" \
         "$DIR/llama-cpp/bin/pip" install -q llama-cpp-python
       ;;
     openvino)
