@@ -23,6 +23,17 @@ def single_stream(engine, prompt: list[int], max_tokens: int) -> dict:
             "output_tokens": seen}
 
 
+def single_stream_dtype(settings: dict, dtype: str, prompt: list[int], max_tokens: int) -> dict:
+    """The same, on an engine in another dtype (bf16 weights read half the bytes of fp32 ones)."""
+    from pagedcore import LLMEngine
+    from pagedcore.bench.roofline import weight_bytes
+
+    engine = LLMEngine(**dict(settings, dtype=dtype))
+    row = single_stream(engine, prompt, max_tokens)
+    return dict(row, engine=f"pagedcore ({dtype} weights)", peer="pagedcore-bf16" if dtype == "bfloat16" else f"pagedcore-{dtype}",
+                weight_bytes=weight_bytes(engine.model))
+
+
 def single_stream_int4(settings: dict, prompt: list[int], max_tokens: int) -> dict:
     """The same, on an engine with int4 weights (what llama.cpp runs on the bundled Q4_1 GGUF)."""
     from pagedcore import LLMEngine

@@ -18,6 +18,16 @@ import torch
 SHAPES = [(2048, 576, 1536), (2048, 1536, 576), (4096, 1024, 1024), (2048, 2048, 2048)]
 
 
+def cpu_has_bf16_units() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX); without, bf16 models compute in fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def matmul_tflops(dtype: torch.dtype, shapes=SHAPES, seconds: float = 0.5) -> float:
     """The machine's matmul ceiling for a model in `dtype`: the best of torch's matmul in `dtype` and in
     fp32 (on CPUs without bf16 units a bf16 model computes in fp32, as pagedcore's packed linears do,
