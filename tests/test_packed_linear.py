@@ -115,3 +115,20 @@ def test_engine_tokens_equal_with_and_without_packing(ext, tiny_model_dir, dtype
         assert a.token_ids == b.token_ids
         for tok, sa, sb in zip(a.token_ids, a.logprobs, b.logprobs):
             assert abs(sa[tok].logprob - sb[tok].logprob) < tol
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 13, 100])
+@pytest.mark.parametrize("n,k", [(48, 64), (37, 128), (200, 96)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_matches_its_own_dequantization(ext, m, n, k, dtype):
+    """w = q * scale + min per group of 32 (GGUF's Q4_1), summed in fp32 against the dequantized weight."""
+    g = torch.Generator().manual_seed(m + n + k)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale, low = torch.rand(n, k // 32, generator=g) * 0.02, torch.randn(n, k // 32, generator=g) * 0.05
+    w = (q.float().view(n, k // 32, 32) * scale[..., None] + low[..., None]).view(n, k)
+    x, b = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, generator=g)
+    packed, scale_min = ext.pack_int4_weight(q, scale, low, 32)
+    y = ext.packed_linear_int4(x, packed, scale_min, n, 32, b)
+    assert y.dtype == dtype and y.shape == (m, n)
+    rtol = 1e-5 if dtype == torch.float32 else 2 ** -8
+    torch.testing.assert_close(y.double(), _reference(x, w, b), rtol=rtol, atol=1e-4 * k ** 0.5)

@@ -185,6 +185,19 @@ const float* widen_panel(const W* panel, int64_t K, float* buf) {
 template <>
 const float* widen_panel<float>(const float* panel, int64_t, float*) { return panel; }
 
+// A computed tile (fp32, row stride 16) to y (row stride N), plus bias, rounded once to X.
+template <typename X>
+inline void store_tile(const float* c, int64_t rows, int64_t ncols, const float* bias, int64_t n0, X* y, int64_t N) {
+  for (int64_t r = 0; r < rows; ++r) {
+    X* out = y + r * N;
+    const float* cr = c + r * NR;
+    if (bias)
+      for (int64_t j = 0; j < ncols; ++j) out[j] = static_cast<X>(cr[j] + bias[n0 + j]);
+    else
+      for (int64_t j = 0; j < ncols; ++j) out[j] = static_cast<X>(cr[j]);
+  }
+}
+
 template <typename X, typename W>
 void gemm(const X* x, const W* packed, const float* bias, X* y, int64_t M, int64_t N, int64_t K) {
   const int64_t panels = (N + NR - 1) / NR, tiles = (M + MR - 1) / MR;
@@ -209,20 +222,120 @@ void gemm(const X* x, const W* packed, const float* bias, X* y, int64_t M, int64
             tile(rows, xp.data() + i * K, wide, K, c);
           else
             tile(rows, xp.data() + i * K, panel, K, c);
-          for (int64_t r = 0; r < rows; ++r) {
-            X* out = y + (i + r) * N + n0;
-            const float* cr = c + r * NR;
-            if (bias)
-              for (int64_t j = 0; j < ncols; ++j) out[j] = static_cast<X>(cr[j] + bias[n0 + j]);
-            else
-              for (int64_t j = 0; j < ncols; ++j) out[j] = static_cast<X>(cr[j]);
-          }
+          store_tile(c, rows, ncols, bias, n0, y + i * N + n0, N);
         }
       }
     }
   });
 }
 
+
+// ---- int4 weights (w = q * scale + min per group of G inputs, as GGUF's Q4_1) ------------------
+// Panel p holds, for each k, 8 bytes: byte j = column j (low nibble) | column j + 8 (high nibble);
+// beside it, per group g, 16 scales then 16 mins (fp32). Decode reads 4.5 bits per weight.
+#ifdef PC_AVX2
+inline void dequant16(const uint8_t* q, __m256 s0, __m256 s1, __m256 m0, __m256 m1, __m256& w0, __m256& w1) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
+  const __m128i nib = _mm_set1_epi8(0x0F);
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, nib)));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), nib)));
+  w0 = _mm256_fmadd_ps(lo, s0, m0);
+  w1 = _mm256_fmadd_ps(hi, s1, m1);
+}
+
+// One or two rows: dequantize in registers, two interleaved accumulator sets (FMA latency).
+template <int R>
+__attribute__((noinline)) void micro_kernel_int4(const float* a, const uint8_t* q, const float* sm, int64_t K,
+                                                 int64_t G, float* c) {
+  __m256 acc[2][R][2];
+  for (int s = 0; s < 2; ++s)
+    for (int r = 0; r < R; ++r) acc[s][r][0] = acc[s][r][1] = _mm256_setzero_ps();
+  for (int64_t g0 = 0; g0 < K; g0 += G) {
+    const float* gsm = sm + (g0 / G) * 2 * NR;
+    const __m256 s0 = _mm256_loadu_ps(gsm), s1 = _mm256_loadu_ps(gsm + 8);
+    const __m256 m0 = _mm256_loadu_ps(gsm + NR), m1 = _mm256_loadu_ps(gsm + NR + 8);
+    _mm_prefetch(reinterpret_cast<const char*>(q + (g0 + G) * 8), _MM_HINT_T0);
+    for (int64_t k = g0; k < g0 + G; k += 2) {
+#pragma GCC unroll 2
+      for (int s = 0; s < 2; ++s) {
+        __m256 w0, w1;
+        dequant16(q + (k + s) * 8, s0, s1, m0, m1, w0, w1);
+#pragma GCC unroll 2
+        for (int r = 0; r < R; ++r) {
+          const __m256 av = _mm256_broadcast_ss(a + (k + s) * R + r);
+          acc[s][r][0] = _mm256_fmadd_ps(av, w0, acc[s][r][0]);
+          acc[s][r][1] = _mm256_fmadd_ps(av, w1, acc[s][r][1]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(c + r * NR, _mm256_add_ps(acc[0][r][0], acc[1][r][0]));
+    _mm256_storeu_ps(c + r * NR + 8, _mm256_add_ps(acc[0][r][1], acc[1][r][1]));
+  }
+}
+
+// The panel as fp32 [K, 16], for many rows (then the fp32 micro-kernel runs at the FMA rate).
+void widen_int4(const uint8_t* q, const float* sm, int64_t K, int64_t G, float* buf) {
+  for (int64_t g0 = 0; g0 < K; g0 += G) {
+    const float* gsm = sm + (g0 / G) * 2 * NR;
+    const __m256 s0 = _mm256_loadu_ps(gsm), s1 = _mm256_loadu_ps(gsm + 8);
+    const __m256 m0 = _mm256_loadu_ps(gsm + NR), m1 = _mm256_loadu_ps(gsm + NR + 8);
+    for (int64_t k = g0; k < g0 + G; ++k) {
+      __m256 w0, w1;
+      dequant16(q + k * 8, s0, s1, m0, m1, w0, w1);
+      _mm256_storeu_ps(buf + k * NR, w0);
+      _mm256_storeu_ps(buf + k * NR + 8, w1);
+    }
+  }
+}
+#else
+void widen_int4(const uint8_t* q, const float* sm, int64_t K, int64_t G, float* buf) {
+  for (int64_t k = 0; k < K; ++k) {
+    const float* gsm = sm + (k / G) * 2 * NR;
+    for (int64_t j = 0; j < NR; ++j) {
+      const int v = j < 8 ? (q[k * 8 + j] & 0x0F) : (q[k * 8 + j - 8] >> 4);
+      buf[k * NR + j] = float(v) * gsm[j] + gsm[NR + j];
+    }
+  }
+}
+#endif
+
+template <typename X>
+void gemm_int4(const X* x, const uint8_t* q, const float* sm, const float* bias, X* y, int64_t M, int64_t N,
+               int64_t K, int64_t G) {
+  const int64_t panels = (N + NR - 1) / NR, tiles = (M + MR - 1) / MR, groups = K / G;
+  std::vector<float> xp(static_cast<size_t>(M * K));
+  at::parallel_for(0, tiles, grain_for(MR * K), [&](int64_t b, int64_t e) { pack_tiles(x, M, K, b, e, xp.data()); });
+#ifdef PC_AVX2
+  const bool widen = M > 1;  // two rows already run faster over a widened panel (measured)
+#else
+  const bool widen = true;
+#endif
+  at::parallel_for(0, panels, grain_for(M * K * NR, 65536), [&](int64_t p0, int64_t p1) {
+    float c[MR * NR];
+    std::vector<float> wbuf(widen ? static_cast<size_t>(K * NR) : 0);
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+      const int64_t m1 = std::min(M, m0 + MC);
+      for (int64_t p = p0; p < p1; ++p) {
+        const uint8_t* qp = q + p * K * 8;
+        const float* smp = sm + p * groups * 2 * NR;
+        if (widen) widen_int4(qp, smp, K, G, wbuf.data());
+        const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
+        for (int64_t i = m0; i < m1; i += MR) {
+          const int64_t rows = std::min(MR, m1 - i);
+          if (widen)
+            tile(rows, xp.data() + i * K, wbuf.data(), K, c);
+#ifdef PC_AVX2
+          else
+            micro_kernel_int4<1>(xp.data() + i * K, qp, smp, K, G, c);
+#endif
+          store_tile(c, rows, ncols, bias, n0, y + i * N + n0, N);
+        }
+      }
+    }
+  });
+}
 }  // namespace
 
 torch::Tensor pack_linear_weight(torch::Tensor weight) {
@@ -270,6 +383,50 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_f
           AT_DISPATCH_CASE(at::kFloat, [&] { gemm<X, scalar_t>(x2.data_ptr<X>(), packed.data_ptr<scalar_t>(), pb, y.data_ptr<X>(), M, N, K); })
           AT_DISPATCH_CASE(at::kBFloat16, [&] { gemm<X, scalar_t>(x2.data_ptr<X>(), packed.data_ptr<scalar_t>(), pb, y.data_ptr<X>(), M, N, K); }));
       }));
+  }
+  return y.view(out_sizes);
+}
+
+// q: uint8 [N, K] values 0..15; scale, min: fp32 [N, K / G]. Returns (q panels uint8 [panels, K, 8],
+// scale/min fp32 [panels, K / G, 2, 16]); padding columns are zero.
+std::tuple<torch::Tensor, torch::Tensor> pack_int4_weight(torch::Tensor q, torch::Tensor scale, torch::Tensor min,
+                                                         int64_t group_size) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, "q: uint8 [N, K]");
+  const int64_t N = q.size(0), K = q.size(1), G = group_size, panels = (N + NR - 1) / NR;
+  TORCH_CHECK(G > 0 && G % 2 == 0 && K % G == 0, "K must be a multiple of an even group size");
+  TORCH_CHECK(scale.sizes() == min.sizes() && scale.size(0) == N && scale.size(1) == K / G, "scale/min: [N, K / G]");
+  auto qp = torch::zeros({panels * NR, K}, q.options());
+  qp.narrow(0, 0, N).copy_(q.bitwise_and(0x0F));
+  qp = qp.view({panels, NR, K}).transpose(1, 2);  // [panels, K, 16]
+  auto packed = qp.narrow(2, 0, 8).bitwise_or(qp.narrow(2, 8, 8).bitwise_left_shift(4)).contiguous();
+  auto sm = torch::zeros({panels * NR, K / G, 2}, scale.options().dtype(at::kFloat));
+  sm.narrow(0, 0, N).select(2, 0).copy_(scale);
+  sm.narrow(0, 0, N).select(2, 1).copy_(min);
+  sm = sm.view({panels, NR, K / G, 2}).permute({0, 2, 3, 1}).contiguous();  // [panels, K/G, 2, 16]
+  return {packed, sm};
+}
+
+torch::Tensor packed_linear_int4(torch::Tensor x, torch::Tensor q, torch::Tensor sm, int64_t out_features,
+                                 int64_t group_size, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == 8 && q.is_contiguous() && q.scalar_type() == at::kByte, "q: [panels, K, 8]");
+  const int64_t K = q.size(1), N = out_features, G = group_size;
+  TORCH_CHECK(sm.is_contiguous() && sm.scalar_type() == at::kFloat && sm.numel() == q.size(0) * (K / G) * 2 * NR,
+              "scale/min: [panels, K / G, 2, 16] fp32");
+  TORCH_CHECK(x.size(-1) == K, "x's last dimension must be the weight's in_features");
+  TORCH_CHECK(q.size(0) * NR >= N, "out_features larger than the packed weight");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x: float32 or bfloat16");
+  auto x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = N;
+  auto y = torch::empty({M, N}, x.options());
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) b = bias->to(at::kFloat).contiguous();
+  const float* pb = b.defined() ? b.data_ptr<float>() : nullptr;
+  if (M > 0) {
+    AT_DISPATCH_SWITCH(x2.scalar_type(), "packed_linear_int4",
+      AT_DISPATCH_CASE(at::kFloat, [&] { gemm_int4<scalar_t>(x2.data_ptr<scalar_t>(), q.data_ptr<uint8_t>(), sm.data_ptr<float>(), pb, y.data_ptr<scalar_t>(), M, N, K, G); })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] { gemm_int4<scalar_t>(x2.data_ptr<scalar_t>(), q.data_ptr<uint8_t>(), sm.data_ptr<float>(), pb, y.data_ptr<scalar_t>(), M, N, K, G); }));
   }
   return y.view(out_sizes);
 }
