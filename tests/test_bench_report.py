@@ -144,3 +144,16 @@ def test_plot_cli(tmp_path):
                   "--out", str(out)])
     assert args.func(args) == 0
     assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_render_step_profile_and_memory_line():
+    t = dict(THROUGHPUT, step_profile=[
+        {"batch": 1, "step_ms": 30.0, "prepare": 0.2, "gemm": 20.0, "attention": 3.0, "other_forward": 6.0,
+         "sample": 0.3, "output": 0.5, "weight_read_ms": 15.0, "matmul_ms": 7.0}])
+    t["roofline"] = dict(t.get("roofline") or {"achieved_tflops": 0.01, "matmul_tflops": 0.04, "fraction": 0.25,
+                                                "model_gflop_per_token": 0.27},
+                         read_gbs=13.0, weight_mb=269.0, weight_read_ms=20.7)
+    text = report.render(t)
+    assert "**Decode step profile**" in text
+    assert "| 1 | 30.00 | 0.20 | 20.00 | 3.00 | 6.00 | 0.30 | 0.50 | 15.00 | 7.00 |" in text
+    assert "- Memory: 13.0 GB/s read; all 269 MB of weights in 20.7 ms" in text

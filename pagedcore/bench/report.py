@@ -82,6 +82,9 @@ def single_stream_table(rows: list[dict]) -> list[str]:
 def extra_lines(throughput: dict) -> list[str]:
     lines = []
     rf = throughput.get("roofline")
+    if rf and rf.get("read_gbs"):
+        lines.append(f"- Memory: {rf['read_gbs']:.1f} GB/s read; all {rf['weight_mb']:.0f} MB of weights in "
+                     f"{rf['weight_read_ms']:.1f} ms")
     if rf:
         lines.append(f"- Roofline: {rf['achieved_tflops']:.3f} TFLOP/s achieved of {rf['matmul_tflops']:.2f} TFLOP/s "
                      f"measured matmul peak = {100 * rf['fraction']:.1f}% ({rf['model_gflop_per_token']:.3f} "
@@ -93,6 +96,17 @@ def extra_lines(throughput: dict) -> list[str]:
     if throughput.get("kv_waste_pct") is not None:
         lines.append(f"- KV waste, allocated but empty slots over the run: {throughput['kv_waste_pct']:.2f}%")
     return lines
+
+
+def step_profile_table(rows: list[dict]) -> list[str]:
+    from pagedcore.bench.step_profile import PARTS
+
+    body = [[str(r["batch"]), _num(r["step_ms"], "{:.2f}"), *(_num(r.get(p), "{:.2f}") for p in PARTS),
+             _num(r.get("weight_read_ms"), "{:.2f}"), _num(r.get("matmul_ms"), "{:.2f}")] for r in rows]
+    header = ["batch", "step", "prepare", "GEMMs", "attention", "other forward", "sample", "output",
+              "floor: read weights", "floor: matmul at peak"]
+    return ["**Decode step profile** (ms per step; floors measured in the same run)", "",
+            *_table(header, body, "rrrrrrrrrr")]
 
 
 def targets_table(targets: list[dict]) -> list[str]:
@@ -133,6 +147,8 @@ def render(throughput: dict | None, serve: dict | None = None, memory: dict | No
         sections.append(throughput_table(throughput))
         if throughput.get("single_stream"):
             sections.append(single_stream_table(throughput["single_stream"]))
+        if throughput.get("step_profile"):
+            sections.append(step_profile_table(throughput["step_profile"]))
         if extra_lines(throughput):
             sections.append(extra_lines(throughput))
         if throughput.get("targets"):
