@@ -41,7 +41,8 @@ class BlockPool:
 
     def incref(self, block_ids) -> None:
         for b in block_ids:
-            assert self.ref_counts[b] > 0, f"incref of free block {b}"
+            if self.ref_counts[b] <= 0:
+                raise RuntimeError(f"incref of free block {b}")
             self.ref_counts[b] += 1
 
     def touch(self, block_ids) -> None:
@@ -54,7 +55,8 @@ class BlockPool:
     def free_blocks(self, block_ids) -> None:
         """Drop one reference from each block; blocks reaching zero go to the end of the free queue."""
         for b in block_ids:
-            assert self.ref_counts[b] > 0, f"double free of block {b}"
+            if self.ref_counts[b] <= 0:
+                raise RuntimeError(f"double free of block {b}")
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
                 self.free_queue[b] = None

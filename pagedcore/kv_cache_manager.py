@@ -58,7 +58,8 @@ class KVCacheManager:
     def allocate_new_sequence(self, seq: Sequence, budget: int, allow_chunking: bool) -> int | None:
         """First allocation of a waiting sequence: reuse its longest cached prefix, then make room
         for up to `budget` more tokens. Returns the number of tokens to compute, or None."""
-        assert not seq.block_table and seq.num_computed_tokens == 0
+        if seq.block_table or seq.num_computed_tokens:
+            raise RuntimeError(f"sequence {seq.seq_id} already holds blocks or computed tokens")
         hits = self.find_cached_prefix(seq)
         num_cached = len(hits) * self.block_size
         num_new = seq.num_tokens - num_cached
@@ -79,7 +80,8 @@ class KVCacheManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Child shares every block of the parent; writes into a shared block copy it first."""
-        assert not child.block_table
+        if child.block_table:
+            raise RuntimeError(f"fork into sequence {child.seq_id}, which already holds blocks")
         self.pool.incref(parent.block_table)
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens

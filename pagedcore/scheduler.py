@@ -119,7 +119,8 @@ class Scheduler:
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in += self.kv.swap_in(seq)
-            assert self.kv.allocate_slots(seq, num_new)
+            if not self.kv.allocate_slots(seq, num_new):  # can_swap_in counted these slots
+                raise RuntimeError(f"swap-in of sequence {seq.seq_id}: no slots for {num_new} tokens after can_swap_in")
             self._start_running(seq, num_new, out)
             budget -= num_new
         return budget
@@ -167,7 +168,8 @@ class Scheduler:
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Remove a sequence wherever it is and return its blocks."""
-        assert status.finished
+        if not status.finished:
+            raise ValueError(f"finish() needs a finished status, got {status}")
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
