@@ -47,6 +47,7 @@ class Shape:
 
 SHAPES = {
     "smollm2": Shape("smollm2-64x512", 64, 512),
+    "smollm2-140": Shape("smollm2-64x140", 64, 140),  # the bundled model's decode step (~140-token chats)
     "long": Shape("smollm2-4x16384", 4, 16384),
 }
 
@@ -124,8 +125,8 @@ def run(shapes: list[str], repeats: int, dtypes=(torch.float32, torch.bfloat16))
         timer = _time_cuda if device == "cuda" else _time_cpu
         for shape_key in shapes:
             sh = SHAPES[shape_key]
-            if device == "cpu" and shape_key != "smollm2":
-                continue  # CPU: the SmolLM2 step only (the long shape is a GPU split-K case)
+            if device == "cpu" and not shape_key.startswith("smollm2"):
+                continue  # CPU: the SmolLM2 steps only (the long shape is a GPU split-K case)
             for dtype in dtypes:
                 b = make_paged_batch(
                     [1] * sh.num_seqs, [sh.seq_len] * sh.num_seqs, sh.num_q_heads, sh.num_kv_heads, sh.head_dim,

@@ -71,3 +71,82 @@ def test_cpu_decode_kernel_matches_torch_path_and_reference(dtype, window, softc
     assert not ext.isnan().any()
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     assert rel_err(ext, ref) < tol and rel_err(ext, torch_path) < tol
+
+
+def _ext_or_skip():
+    from pagedcore.kernels import cpu_ext
+
+    if cpu_ext.load() is None:
+        pytest.skip("no C++ toolchain: the torch path is what runs")
+
+
+@pytest.mark.parametrize("heads", [(9, 3), (8, 8), (8, 4), (10, 2), (12, 2), (7, 1)])
+@pytest.mark.parametrize("head_dim", [16, 20, 40, 64, 96, 128])
+def test_cpu_decode_kernel_head_shapes(heads, head_dim):
+    """GQA groups that take every register tiling of the C++ kernel (sub-groups of 3, of 2 and 1, whole
+    groups of 1) and head dims of its paths: 64 and 128 compiled as constants, other multiples of 16 at
+    run time, the rest (20, 40) through the scalar path. Lengths cover partial 3- and 4-key tiles."""
+    _ext_or_skip()
+    hq, hkv = heads
+    sl = [1, 2, 3, 5, 16, 33, 130]
+    for dtype in (torch.float32, torch.bfloat16):
+        b = make_paged_batch([1] * len(sl), sl, hq, hkv, head_dim, 16, dtype, "cpu", seed=head_dim + hq)
+        b.write_new_tokens()
+        b.query *= 3.0  # a sharp softmax
+        out = cpu_paged_attention(b.query, b.k_cache, b.v_cache, b.metadata, head_dim**-0.5)
+        ref = ref_paged_attention(b.query, b.k_cache, b.v_cache, b.metadata, head_dim**-0.5)
+        assert not out.isnan().any()
+        assert rel_err(out, ref) < (2e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (300, None), (None, 20.0)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_decode_kernel_splits_long_sequences(dtype, window, softcap):
+    """With several threads, a sequence much longer than the rest of the step is split into partitions
+    (each with its own max and sum, combined after): same result as unsplit and as the reference."""
+    _ext_or_skip()
+    sl = [3000, 5, 700, 1]
+    b = make_paged_batch([1] * len(sl), sl, 9, 3, 64, 16, dtype, "cpu", seed=11)
+    b.write_new_tokens()
+    b.query *= 4.0  # sharp softmax: partition maxima differ, so a wrong rescale shows
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)  # splits even on a 2-core machine
+        split = cpu_paged_attention(b.query, b.k_cache, b.v_cache, b.metadata, 0.125, window, softcap)
+        torch.set_num_threads(1)  # one thread: never split
+        whole = cpu_paged_attention(b.query, b.k_cache, b.v_cache, b.metadata, 0.125, window, softcap)
+    finally:
+        torch.set_num_threads(threads)
+    ref = ref_paged_attention(b.query, b.k_cache, b.v_cache, b.metadata, 0.125, window, softcap)
+    assert not split.isnan().any()
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    assert rel_err(split, ref) < tol and rel_err(whole, ref) < tol and rel_err(split, whole) < tol
+
+
+def test_cpu_decode_kernel_query_dtype_differs_from_cache():
+    """fp32 queries over a bf16 cache (and bf16 over fp32): the q load and the output store convert."""
+    _ext_or_skip()
+    sl = [7, 40, 129]
+    for q_dtype, kv_dtype in [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                              (torch.float16, torch.bfloat16)]:
+        b = make_paged_batch([1] * len(sl), sl, 6, 2, 64, 16, kv_dtype, "cpu", seed=5)
+        b.write_new_tokens()
+        query = b.query.to(q_dtype)
+        out = cpu_paged_attention(query, b.k_cache, b.v_cache, b.metadata, 0.125)
+        ref = ref_paged_attention(query, b.k_cache, b.v_cache, b.metadata, 0.125)
+        assert out.dtype == q_dtype and not out.isnan().any()
+        assert rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_cpu_decode_kernel_output_rounding(kv_dtype):
+    """A bf16/fp16 query gives exactly the fp32 query's result rounded by torch (round to nearest even):
+    the kernel's vectorised q load and output store convert like c10 does."""
+    _ext_or_skip()
+    b = make_paged_batch([1] * 6, [3, 17, 40, 100, 129, 7], 6, 2, 64, 16, kv_dtype, "cpu", seed=3)
+    b.write_new_tokens()
+    for q_dtype in (torch.bfloat16, torch.float16):
+        low = b.query.to(q_dtype)
+        out = cpu_paged_attention(low, b.k_cache, b.v_cache, b.metadata, 0.125)
+        out32 = cpu_paged_attention(low.float(), b.k_cache, b.v_cache, b.metadata, 0.125)
+        assert torch.equal(out, out32.to(q_dtype))

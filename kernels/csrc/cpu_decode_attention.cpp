@@ -1,5 +1,23 @@
 // Paged decode attention for the CPU: one query token per sequence, read straight from the block
-// table (no gathered copy, no padding), fp32 math, parallel over sequences.
+// table (no gathered copy, no padding), fp32 math and accumulation.
+//
+// Work item = one sequence (or, with several threads and a sequence much longer than the rest of the
+// step, one partition of its positions). Two passes per item:
+//   1. scores [Hq, count]: the scale is folded into q; for a few positions at a time, every KV head's
+//      key row is widened to fp32 once and FMA'd into the accumulators of all `group = Hq / Hkv` query
+//      heads that read it (3 keys x 3 heads or 4 keys x 2 heads per register tile), one horizontal
+//      reduction then yields 3-4 scores. Whole cache rows (all KV heads) are consumed together, so
+//      blocks are read sequentially; rows are software-prefetched 16 positions ahead.
+//   2. softmax per head (AVX2 Cephes-style exp, ~1 ulp), then the weighted sum of V rows: tiles of
+//      positions whose rows stay in L1 while each (head sub-group, 16-column block) pass goes over them.
+// bf16 K/V are widened in registers with one 32-byte load per 16 elements: even elements = lane << 16,
+// odd ones = lane & 0xffff0000 (a bf16 is the top half of an fp32); q and the V accumulators are kept
+// in that (even, odd) order, so the loops never shuffle. fp16 goes through F16C.
+// Split sequences (flash-decoding): each partition keeps its max and sum, a cheap combine rescales.
+// Only positions < seq_len (inside the window) are ever read: unwritten cache slots may hold NaN.
+//
+// AVX2 + FMA path for head_dim % 16 == 0 (head_dim 64 and 128 compiled as constants); a portable
+// scalar path with the same structure otherwise, or when built without AVX2.
 #include "ops.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -8,93 +26,604 @@
 #include <limits>
 #include <vector>
 
-template <typename T>
-static inline float dot(const float* q, const T* k, int64_t d) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < d; ++i) s += q[i] * static_cast<float>(k[i]);
-  return s;
-}
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PC_ATTN_AVX2 1
+#endif
+
+namespace {
+
+// Positions per partition when a sequence is split across threads: at least this many.
+constexpr int64_t kMinPart = 256;
 
 template <typename T>
-static inline void axpy(float* acc, float w, const T* v, int64_t d) {
-#pragma omp simd
-  for (int64_t i = 0; i < d; ++i) acc[i] += w * static_cast<float>(v[i]);
+inline float to_float(T x) {
+  return static_cast<float>(x);
 }
-
-// bf16 -> fp32 is a 16-bit shift; spelled out so the compiler vectorises it (c10's conversion does not).
-static inline float bf16_to_float(uint16_t x) {
-  uint32_t u = uint32_t(x) << 16;
+template <>
+inline float to_float<c10::BFloat16>(c10::BFloat16 x) {  // c10's conversion does not vectorise
+  uint32_t u = uint32_t(x.x) << 16;
   float f;
   std::memcpy(&f, &u, sizeof(f));
   return f;
 }
 
-template <>
-inline float dot<c10::BFloat16>(const float* q, const c10::BFloat16* k, int64_t d) {
-  const uint16_t* kb = reinterpret_cast<const uint16_t*>(k);
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < d; ++i) s += q[i] * bf16_to_float(kb[i]);
-  return s;
+// Element offset of the cache row (all KV heads) of each position in [p0, p1) of one sequence.
+inline void row_offsets(const int32_t* table, int64_t p0, int64_t p1, int64_t block_size, int64_t row_elems,
+                        int64_t* off) {
+  int64_t p = p0;
+  while (p < p1) {
+    const int64_t o = p % block_size, run = std::min(block_size - o, p1 - p);
+    const int64_t base = (int64_t(table[p / block_size]) * block_size + o) * row_elems;
+    for (int64_t i = 0; i < run; ++i) off[p - p0 + i] = base + i * row_elems;
+    p += run;
+  }
 }
 
-template <>
-inline void axpy<c10::BFloat16>(float* acc, float w, const c10::BFloat16* v, int64_t d) {
-  const uint16_t* vb = reinterpret_cast<const uint16_t*>(v);
-#pragma omp simd
-  for (int64_t i = 0; i < d; ++i) acc[i] += w * bf16_to_float(vb[i]);
+// ---------------------------------------------------------------- portable scalar kernels
+
+// s[h * count + t] = q_h . k_t for the g heads of q [g, d].
+template <typename T>
+void scores_scalar(const float* q, int64_t g, const T* k, const int64_t* off, int64_t count, int64_t d, float* s) {
+  for (int64_t t = 0; t < count; ++t) {
+    const T* kr = k + off[t];
+    for (int64_t h = 0; h < g; ++h) {
+      const float* qh = q + h * d;
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t i = 0; i < d; ++i) acc += qh[i] * to_float(kr[i]);
+      s[h * count + t] = acc;
+    }
+  }
 }
+
+// acc[h] += sum_t w[h * count + t] * v_t, acc [g, d].
+template <typename T>
+void pv_scalar(const float* w, int64_t g, const T* v, const int64_t* off, int64_t count, int64_t d, float* acc) {
+  for (int64_t t = 0; t < count; ++t) {
+    const T* vr = v + off[t];
+    for (int64_t h = 0; h < g; ++h) {
+      const float wt = w[h * count + t];
+      float* a = acc + h * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) a[i] += wt * to_float(vr[i]);
+    }
+  }
+}
+
+// In place: s = exp(s - max(s)); returns (max, sum).
+inline void softmax_scalar(float* s, int64_t count, float* m_out, float* l_out) {
+  float m = -std::numeric_limits<float>::max();
+  for (int64_t j = 0; j < count; ++j) m = std::max(m, s[j]);
+  float l = 0.f;
+  for (int64_t j = 0; j < count; ++j) {
+    s[j] = std::exp(s[j] - m);
+    l += s[j];
+  }
+  *m_out = m;
+  *l_out = l;
+}
+
+#ifdef PC_ATTN_AVX2
+// ---------------------------------------------------------------- AVX2 + FMA kernels
+#define PC_INLINE inline __attribute__((always_inline))
+
+template <typename T>
+PC_INLINE __m256 load8(const T* p);
+template <>
+PC_INLINE __m256 load8<float>(const float* p) {
+  return _mm256_loadu_ps(p);
+}
+template <>
+PC_INLINE __m256 load8<double>(const double* p) {
+  return _mm256_set_m128(_mm256_cvtpd_ps(_mm256_loadu_pd(p + 4)), _mm256_cvtpd_ps(_mm256_loadu_pd(p)));
+}
+template <>
+PC_INLINE __m256 load8<c10::Half>(const c10::Half* p) {
+#ifdef __F16C__
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
+  return _mm256_load_ps(f);
+#endif
+}
+
+// A K/V row is consumed 16 elements at a time as two fp32 vectors, `lo` and `hi`. Natural order
+// (elements 0..7, 8..15) except for bf16: one 32-byte load, even elements = each 32-bit lane << 16,
+// odd elements = each lane & 0xffff0000 (a bf16 is the top half of an fp32). q and the V accumulators
+// are kept in the same order (load_q / to_natural), so nothing is shuffled in the loops.
+template <typename T>
+struct Rows {
+  static constexpr bool kPermuted = false;
+  static PC_INLINE __m256 lo(const T* p) { return load8(p); }
+  static PC_INLINE __m256 hi(const T* p) { return load8(p + 8); }
+};
+template <>
+struct Rows<c10::BFloat16> {
+  static constexpr bool kPermuted = true;
+  static PC_INLINE __m256i raw(const c10::BFloat16* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  static PC_INLINE __m256 lo(const c10::BFloat16* p) { return _mm256_castsi256_ps(_mm256_slli_epi32(raw(p), 16)); }
+  static PC_INLINE __m256 hi(const c10::BFloat16* p) {
+    return _mm256_castsi256_ps(_mm256_and_si256(raw(p), _mm256_set1_epi32(int(0xffff0000u))));
+  }
+};
+
+// Natural-order fp32 vector load / store of 8 elements of any cache or query dtype.
+template <>
+PC_INLINE __m256 load8<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+}
+template <typename Q>
+PC_INLINE void store8(Q* o, __m256 v) {
+  alignas(32) float f[8];
+  _mm256_store_ps(f, v);
+  for (int i = 0; i < 8; ++i) o[i] = static_cast<Q>(f[i]);
+}
+template <>
+PC_INLINE void store8<float>(float* o, __m256 v) {
+  _mm256_storeu_ps(o, v);
+}
+#ifdef __F16C__
+template <>
+PC_INLINE void store8<c10::Half>(c10::Half* o, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+#endif
+template <>
+PC_INLINE void store8<c10::BFloat16>(c10::BFloat16* o, __m256 v) {  // round to nearest even, as c10 does
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(o),
+                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
+// q[0..d) = scale * x[0..d) (natural order, d % 16 == 0), stored in Rows<T> order.
+template <typename T, typename Q>
+inline void load_q(float* q, const Q* x, int64_t d, float scale) {
+  const __m256 vs = _mm256_set1_ps(scale);
+  for (int64_t j = 0; j < d; j += 16) {
+    __m256 n0 = _mm256_mul_ps(load8(x + j), vs), n1 = _mm256_mul_ps(load8(x + j + 8), vs);
+    if constexpr (Rows<T>::kPermuted) {  // (0..7, 8..15) -> (0, 2, .., 14), (1, 3, .., 15)
+      const __m256 e = _mm256_shuffle_ps(n0, n1, _MM_SHUFFLE(2, 0, 2, 0));
+      const __m256 o = _mm256_shuffle_ps(n0, n1, _MM_SHUFFLE(3, 1, 3, 1));
+      n0 = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), _MM_SHUFFLE(3, 1, 2, 0)));
+      n1 = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), _MM_SHUFFLE(3, 1, 2, 0)));
+    }
+    _mm256_storeu_ps(q + j, n0);
+    _mm256_storeu_ps(q + j + 8, n1);
+  }
+}
+
+// acc[0..d) (Rows<T> order) back to natural order, in place.
+template <typename T>
+inline void to_natural(float* acc, int64_t d) {
+  if constexpr (Rows<T>::kPermuted) {
+    for (int64_t j = 0; j < d; j += 16) {
+      const __m256 e = _mm256_loadu_ps(acc + j), o = _mm256_loadu_ps(acc + j + 8);
+      const __m256 l = _mm256_unpacklo_ps(e, o), h = _mm256_unpackhi_ps(e, o);  // (0..3 | 8..11), (4..7 | 12..15)
+      _mm256_storeu_ps(acc + j, _mm256_permute2f128_ps(l, h, 0x20));
+      _mm256_storeu_ps(acc + j + 8, _mm256_permute2f128_ps(l, h, 0x31));
+    }
+  }
+}
+
+// out[0..d) = acc[0..d) * inv, acc in natural order.
+template <typename Q>
+inline void store_out(Q* out, const float* acc, int64_t d, float inv) {
+  const __m256 vi = _mm256_set1_ps(inv);
+  for (int64_t j = 0; j < d; j += 8) store8(out + j, _mm256_mul_ps(_mm256_loadu_ps(acc + j), vi));
+}
+
+inline float hsum(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// (sum a0, sum a1, sum a2, sum a3)
+PC_INLINE __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// exp for x <= 0 (scores minus their max), Cephes expf: range reduction by ln 2 in two parts, degree-5
+// polynomial, 2^n through the exponent bits; ~1 ulp. x < -87 gives ~1e-38 instead of 0 (harmless
+// next to the max's weight of 1).
+PC_INLINE __m256 exp_nonpos(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+inline void softmax_avx2(float* s, int64_t count, float* m_out, float* l_out) {
+  __m256 vm = _mm256_set1_ps(-std::numeric_limits<float>::max());
+  int64_t j = 0;
+  for (; j + 8 <= count; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + j));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  float m = std::max(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_movehdup_ps(m4)));
+  for (; j < count; ++j) m = std::max(m, s[j]);
+  const __m256 vmax = _mm256_set1_ps(m);
+  __m256 vl = _mm256_setzero_ps();
+  for (j = 0; j + 8 <= count; j += 8) {
+    const __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmax));
+    _mm256_storeu_ps(s + j, e);
+    vl = _mm256_add_ps(vl, e);
+  }
+  if (j < count) {  // the tail through a padded copy; the pads are masked out of the sum
+    alignas(32) float tail[8];
+    const int64_t r = count - j;
+    for (int i = 0; i < 8; ++i) tail[i] = i < r ? s[j + i] : m;
+    const __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_load_ps(tail), vmax));
+    _mm256_store_ps(tail, e);
+    const __m256 keep = _mm256_castsi256_ps(
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(int(r)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    vl = _mm256_add_ps(vl, _mm256_and_ps(e, keep));
+    for (int64_t i = 0; i < r; ++i) s[j + i] = tail[i];
+  }
+  *m_out = m;
+  *l_out = hsum(vl);
+}
+
+// Bring a row's d elements (from p) towards L1 ahead of use.
+template <typename T>
+PC_INLINE void prefetch_row(const T* p, int64_t d) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < d * int64_t(sizeof(T)); b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
+
+// Scores of NT keys (rows k[0..NT)) against G query heads q [G, d] -> s[h * stride + 0..NT), NT <= 4.
+// G * NT accumulators + NT rows + q + the bf16 mask fit the 16 ymm registers for (G, NT) = (3, 3),
+// (2, 4), (1, 4).
+template <typename T, int G, int NT, int D>
+PC_INLINE void scores_tile(const float* q, const T* const* k, int64_t d_, float* s, int64_t stride) {
+  using R = Rows<T>;
+  const int64_t d = D > 0 ? D : d_;  // D: head_dim known at compile time (0: not)
+  __m256 a[NT][G];
+  {
+    __m256 x[NT];
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) x[t] = R::lo(k[t]);
+#pragma GCC unroll 4
+    for (int h = 0; h < G; ++h) {
+      const __m256 qv = _mm256_loadu_ps(q + h * d);
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t) a[t][h] = _mm256_mul_ps(x[t], qv);
+    }
+  }
+#pragma GCC unroll 8
+  for (int64_t i = 0; i < d; i += 16) {
+    if (i > 0) {
+      __m256 x[NT];
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t) x[t] = R::lo(k[t] + i);
+#pragma GCC unroll 4
+      for (int h = 0; h < G; ++h) {
+        const __m256 qv = _mm256_loadu_ps(q + h * d + i);
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; ++t) a[t][h] = _mm256_fmadd_ps(x[t], qv, a[t][h]);
+      }
+    }
+    __m256 x[NT];
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) x[t] = R::hi(k[t] + i);
+#pragma GCC unroll 4
+    for (int h = 0; h < G; ++h) {
+      const __m256 qv = _mm256_loadu_ps(q + h * d + i + 8);
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t) a[t][h] = _mm256_fmadd_ps(x[t], qv, a[t][h]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < G; ++h) {
+    if constexpr (NT == 4) {
+      _mm_storeu_ps(s + h * stride, hsum4(a[0][h], a[1][h], a[2][h], a[3][h]));
+    } else {
+      alignas(16) float r[4];
+      _mm_store_ps(r, hsum4(a[0][h], a[NT > 1 ? 1 : 0][h], a[NT > 2 ? 2 : 0][h], a[0][h]));
+      for (int t = 0; t < NT; ++t) s[h * stride + t] = r[t];
+    }
+  }
+}
+
+// s[h * count + t] = q_h . k_t for all heads h = kv * g + j (q [hkv * g, d] in Rows<T> order; key row t
+// of KV head kv at k + off[t] + kv * d). A group of 3 (or 6, 9, ..) heads takes 3 keys at a time in
+// sub-groups of 3, any other group 4 keys at a time in sub-groups of 2 (and 1). All KV heads of a
+// few positions are done together: whole cache rows (contiguous within a block) are consumed at
+// once. Prefetches rows PF positions ahead (K, then the first V rows at vb for the pass after).
+template <typename T, int D>
+void scores_avx2(const float* q, int64_t hkv, int64_t g, const T* k, const T* vb, const int64_t* off, int64_t count,
+                 int64_t d_, int64_t row_elems, float* s) {
+  const int64_t d = D > 0 ? D : d_;
+  constexpr int64_t PF = 16;
+  const bool by3 = g % 3 == 0;
+  const int64_t step = by3 ? 3 : 4;
+  for (int64_t t = 0; t < std::min(count, PF); ++t) prefetch_row(k + off[t], row_elems);
+  int64_t t = 0;
+  for (; t + step <= count; t += step) {
+    for (int64_t u = t + PF; u < t + PF + step; ++u) {
+      if (u < count) prefetch_row(k + off[u], row_elems);
+      else if (u < count + PF) prefetch_row(vb + off[u - count], row_elems);
+    }
+    for (int64_t kv = 0; kv < hkv; ++kv) {
+      const T* kk = k + kv * d;
+      const T* rows[4] = {kk + off[t], kk + off[t + 1], kk + off[t + 2], kk + off[t + step - 1]};
+      const int64_t h0 = kv * g;
+      if (by3) {
+        for (int64_t h = h0; h < h0 + g; h += 3) scores_tile<T, 3, 3, D>(q + h * d, rows, d, s + h * count + t, count);
+      } else {
+        int64_t h = h0;
+        for (; h + 2 <= h0 + g; h += 2) scores_tile<T, 2, 4, D>(q + h * d, rows, d, s + h * count + t, count);
+        if (h < h0 + g) scores_tile<T, 1, 4, D>(q + h * d, rows, d, s + h * count + t, count);
+      }
+    }
+  }
+  for (; t < count; ++t) {
+    for (int64_t kv = 0; kv < hkv; ++kv) {
+      const T* rows[1] = {k + kv * d + off[t]};
+      const int64_t h0 = kv * g;
+      int64_t h = h0;
+      for (; h + 2 <= h0 + g; h += 2) scores_tile<T, 2, 1, D>(q + h * d, rows, d, s + h * count + t, count);
+      if (h < h0 + g) scores_tile<T, 1, 1, D>(q + h * d, rows, d, s + h * count + t, count);
+    }
+  }
+}
+
+// acc[h][c .. c + 16 NB) += sum over tokens [t0, t1) of w[h * count + t] * v_t[c ..], for G heads.
+// With PF, also prefetches pf_len elements at pfb + pf[t - t0] for each token (the next tile's rows,
+// spread over this pass).
+template <typename T, int G, int NB, bool PF, int D>
+PC_INLINE void pv_tile(const float* w, int64_t count, const T* v, const int64_t* off, int64_t t0, int64_t t1,
+                       int64_t c, float* acc, int64_t d_, const T* pfb, const int64_t* pf, int64_t npf,
+                       int64_t pf_len) {
+  using R = Rows<T>;
+  const int64_t d = D > 0 ? D : d_;
+  __m256 a[G][2 * NB];
+#pragma GCC unroll 4
+  for (int h = 0; h < G; ++h)
+#pragma GCC unroll 8
+    for (int j = 0; j < 2 * NB; ++j) a[h][j] = _mm256_loadu_ps(acc + h * d + c + 8 * j);
+  for (int64_t t = t0; t < t1; ++t) {
+    if (PF && t - t0 < npf) prefetch_row(pfb + pf[t - t0], pf_len);
+    const T* vr = v + off[t] + c;
+#pragma GCC unroll 4
+    for (int b = 0; b < NB; ++b) {
+      const __m256 lo = R::lo(vr + 16 * b), hi = R::hi(vr + 16 * b);
+#pragma GCC unroll 4
+      for (int h = 0; h < G; ++h) {
+        const __m256 wt = _mm256_broadcast_ss(w + h * count + t);
+        a[h][2 * b] = _mm256_fmadd_ps(wt, lo, a[h][2 * b]);
+        a[h][2 * b + 1] = _mm256_fmadd_ps(wt, hi, a[h][2 * b + 1]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < G; ++h)
+#pragma GCC unroll 8
+    for (int j = 0; j < 2 * NB; ++j) _mm256_storeu_ps(acc + h * d + c + 8 * j, a[h][j]);
+}
+
+template <typename T, int G, int D>
+PC_INLINE void pv_sub(const float* w, int64_t count, const T* v, const int64_t* off, int64_t t0, int64_t t1,
+                      float* acc, int64_t d_, const T* pfb, const int64_t* pf, int64_t npf, int64_t pf_len) {
+  const int64_t d = D > 0 ? D : d_;
+  constexpr int NB = G == 1 ? 4 : (G == 2 ? 2 : 1);  // 2 G NB accumulators: enough chains, <= 16 ymm in all
+  int64_t c = 0;
+  if (npf > 0) {  // the first pass over the tile prefetches the next one
+    if (16 * NB <= d) {
+      pv_tile<T, G, NB, true, D>(w, count, v, off, t0, t1, c, acc, d, pfb, pf, npf, pf_len);
+      c += 16 * NB;
+    } else {
+      pv_tile<T, G, 1, true, D>(w, count, v, off, t0, t1, c, acc, d, pfb, pf, npf, pf_len);
+      c += 16;
+    }
+  }
+  for (; c + 16 * NB <= d; c += 16 * NB)
+    pv_tile<T, G, NB, false, D>(w, count, v, off, t0, t1, c, acc, d, pfb, pf, 0, 0);
+  for (; c < d; c += 16) pv_tile<T, G, 1, false, D>(w, count, v, off, t0, t1, c, acc, d, pfb, pf, 0, 0);
+}
+
+// acc [hkv * g, d] (Rows<T> order) += sum_t w[h * count + t] * v_t (row t of KV head kv = h / g at
+// v + off[t] + kv * d). Tiles of a few positions whose cache rows (all KV heads) stay in L1 while
+// every (KV head, head sub-group, column block) pass goes over them; the first pass over a tile
+// prefetches the next tile's rows. Sub-groups of 3 heads if g % 3 == 0, else of 2 (and 1).
+template <typename T, int D>
+void pv_avx2(const float* w, int64_t hkv, int64_t g, const T* v, const int64_t* off, int64_t count, int64_t d_,
+             int64_t row_elems, float* acc) {
+  const int64_t d = D > 0 ? D : d_;
+  const int64_t tile = std::max<int64_t>(8, std::min<int64_t>(32, 12288 / (row_elems * int64_t(sizeof(T)))));
+  const bool by3 = g % 3 == 0;
+  for (int64_t t0 = 0; t0 < count; t0 += tile) {
+    const int64_t t1 = std::min(count, t0 + tile);
+    int64_t npf = std::min(count, t1 + tile) - t1;
+    for (int64_t kv = 0; kv < hkv; ++kv) {
+      const T* vv = v + kv * d;
+      for (int64_t h = kv * g; h < (kv + 1) * g;) {
+        const int64_t sub = by3 ? 3 : std::min<int64_t>(2, (kv + 1) * g - h);
+        const float* wh = w + h * count;
+        float* ah = acc + h * d;
+        switch (sub) {
+          case 1: pv_sub<T, 1, D>(wh, count, vv, off, t0, t1, ah, d, v, off + t1, npf, row_elems); break;
+          case 2: pv_sub<T, 2, D>(wh, count, vv, off, t0, t1, ah, d, v, off + t1, npf, row_elems); break;
+          default: pv_sub<T, 3, D>(wh, count, vv, off, t0, t1, ah, d, v, off + t1, npf, row_elems); break;
+        }
+        npf = 0;
+        h += sub;
+      }
+    }
+  }
+}
+#endif  // PC_ATTN_AVX2
+
+struct Item {
+  int64_t seq, p0, p1;  // positions [p0, p1) of sequence seq, all heads
+  int64_t slot;         // partial-result slot when the sequence is split, else -1
+};
 
 template <typename T, typename Q>
-static void decode_kernel(const Q* query, const T* k_cache, const T* v_cache, const int32_t* block_table,
-                          const int32_t* seq_lens, const int64_t* rows, Q* out, int64_t n, int64_t hq, int64_t hkv,
-                          int64_t d, int64_t block_size, int64_t max_blocks, int64_t q_row_stride,
-                          int64_t q_head_stride, float scale, int64_t window, float softcap) {
-  const int64_t group = hq / hkv;
-  // One sequence per work item: each token's K (and V) row, all KV heads, is read from memory once.
-  int64_t total_len = 0;
-  for (int64_t s = 0; s < n; ++s) total_len += seq_lens[s];
-  at::parallel_for(0, n, grain_for(total_len / std::max<int64_t>(1, n) * hq * d, 1 << 17), [&](int64_t begin, int64_t end) {
-    std::vector<float> q(hq * d), acc(hq * d), scores;
-    for (int64_t s = begin; s < end; ++s) {
-      const int64_t len = seq_lens[s];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t count = len - first;
-      const Q* qrow = query + rows[s] * q_row_stride;
-      for (int64_t h = 0; h < hq; ++h)
-        for (int64_t i = 0; i < d; ++i) q[h * d + i] = static_cast<float>(qrow[h * q_head_stride + i]);
-      scores.assign(hq * count, 0.f);
-      const int32_t* table = block_table + s * max_blocks;
-      // Pass 1: scores [Hq, count]; query head j reads KV head j / group.
-      for (int64_t p = first; p < len; ++p) {
-        const T* kp = k_cache + (int64_t(table[p / block_size]) * block_size + p % block_size) * hkv * d;
+void decode_kernel(const Q* query, const T* k_cache, const T* v_cache, const int32_t* block_table,
+                   const int32_t* seq_lens, const int64_t* rows, Q* out, int64_t n, int64_t hq, int64_t hkv, int64_t d,
+                   int64_t block_size, int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride, float scale,
+                   int64_t window, float softcap) {
+  const int64_t group = hq / hkv, row_elems = hkv * d;
+#ifdef PC_ATTN_AVX2
+  const bool vec = d % 16 == 0;
+#else
+  [[maybe_unused]] const bool vec = false;
+#endif
+  auto first_of = [&](int64_t s) {
+    const int64_t len = seq_lens[s];
+    return window > 0 ? std::max<int64_t>(0, len - window) : int64_t(0);
+  };
+  int64_t total = 0;
+  for (int64_t s = 0; s < n; ++s) total += seq_lens[s] - first_of(s);
+
+  // Work items: one per sequence, except that with several threads a sequence longer than ~1/(4 x
+  // threads) of the step's positions is split into partitions (of >= kMinPart positions).
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  int64_t part_len = std::numeric_limits<int64_t>::max();
+  if (threads > 1) part_len = std::max<int64_t>(kMinPart, (total + 4 * threads - 1) / (4 * threads));
+  std::vector<Item> items;
+  items.reserve(n);
+  int64_t slots = 0;
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t first = first_of(s), len = seq_lens[s], count = len - first;
+    const int64_t parts = count > part_len ? (count + part_len - 1) / part_len : 1;
+    const int64_t step = (count + parts - 1) / parts;
+    for (int64_t p = 0; p < parts; ++p)
+      items.push_back({s, first + p * step, std::min(len, first + (p + 1) * step), parts > 1 ? slots++ : -1});
+  }
+  // Partial results of split items: [slot][head] x (max, sum, acc[d]).
+  const int64_t pstride = d + 2;
+  std::vector<float> partial(slots * hq * pstride);
+
+  const int64_t num_items = int64_t(items.size());
+  // Small batches run inline (grain: a chunk holds >= 2^18 query-head x position x head_dim FMAs,
+  // ~50 us here).
+  const int64_t work = std::max<int64_t>(1, total / std::max<int64_t>(1, num_items)) * hq * d;
+  at::parallel_for(0, num_items, grain_for(work, 1 << 18), [&](int64_t begin, int64_t end) {
+    std::vector<float> q(hq * d), acc(hq * d), scores, ml(2 * hq);
+    std::vector<int64_t> off;
+    for (int64_t it = begin; it < end; ++it) {
+      const Item& item = items[it];
+      const int64_t count = item.p1 - item.p0;
+      const Q* qrow = query + rows[item.seq] * q_row_stride;
+#ifdef PC_ATTN_AVX2
+      if (vec)
+        for (int64_t h = 0; h < hq; ++h) load_q<T>(&q[h * d], qrow + h * q_head_stride, d, scale);
+      else
+#endif
+        for (int64_t h = 0; h < hq; ++h)
+          for (int64_t i = 0; i < d; ++i) q[h * d + i] = to_float(qrow[h * q_head_stride + i]) * scale;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      if (count > 0) {
+        if (int64_t(off.size()) < count) off.resize(count);
+        if (int64_t(scores.size()) < hq * count) scores.resize(hq * count);
+        row_offsets(block_table + item.seq * max_blocks, item.p0, item.p1, block_size, row_elems, off.data());
+        float* sc = scores.data();
+        // Scores [hq, count] (query head h reads KV head h / group), softmax per head, weighted V.
+#ifdef PC_ATTN_AVX2
+        if (vec) {
+          if (d == 64) scores_avx2<T, 64>(q.data(), hkv, group, k_cache, v_cache, off.data(), count, d, row_elems, sc);
+          else if (d == 128)
+            scores_avx2<T, 128>(q.data(), hkv, group, k_cache, v_cache, off.data(), count, d, row_elems, sc);
+          else scores_avx2<T, 0>(q.data(), hkv, group, k_cache, v_cache, off.data(), count, d, row_elems, sc);
+        } else
+#endif
+          for (int64_t kv = 0; kv < hkv; ++kv)
+            scores_scalar(&q[kv * group * d], group, k_cache + kv * d, off.data(), count, d, sc + kv * group * count);
+        if (softcap > 0.f)
+          for (int64_t j = 0; j < hq * count; ++j) sc[j] = softcap * std::tanh(sc[j] / softcap);
         for (int64_t h = 0; h < hq; ++h) {
-          float x = dot(&q[h * d], kp + (h / group) * d, d) * scale;
-          if (softcap > 0.f) x = softcap * std::tanh(x / softcap);
-          scores[h * count + (p - first)] = x;
+#ifdef PC_ATTN_AVX2
+          if (vec) softmax_avx2(sc + h * count, count, &ml[2 * h], &ml[2 * h + 1]);
+          else
+#endif
+            softmax_scalar(sc + h * count, count, &ml[2 * h], &ml[2 * h + 1]);
+        }
+#ifdef PC_ATTN_AVX2
+        if (vec) {
+          if (d == 64) pv_avx2<T, 64>(sc, hkv, group, v_cache, off.data(), count, d, row_elems, acc.data());
+          else if (d == 128) pv_avx2<T, 128>(sc, hkv, group, v_cache, off.data(), count, d, row_elems, acc.data());
+          else pv_avx2<T, 0>(sc, hkv, group, v_cache, off.data(), count, d, row_elems, acc.data());
+          for (int64_t h = 0; h < hq; ++h) to_natural<T>(&acc[h * d], d);
+        } else
+#endif
+          for (int64_t kv = 0; kv < hkv; ++kv)
+            pv_scalar(sc + kv * group * count, group, v_cache + kv * d, off.data(), count, d, &acc[kv * group * d]);
+      } else {
+        for (int64_t h = 0; h < hq; ++h) ml[2 * h] = -std::numeric_limits<float>::max(), ml[2 * h + 1] = 0.f;
+      }
+      if (item.slot >= 0) {
+        float* dst = partial.data() + item.slot * hq * pstride;
+        for (int64_t h = 0; h < hq; ++h) {
+          dst[h * pstride] = ml[2 * h];
+          dst[h * pstride + 1] = ml[2 * h + 1];
+          std::copy(acc.data() + h * d, acc.data() + (h + 1) * d, dst + h * pstride + 2);
+        }
+      } else {
+        Q* orow = out + item.seq * hq * d;
+        for (int64_t h = 0; h < hq; ++h) {
+          const float inv = ml[2 * h + 1] > 0.f ? 1.f / ml[2 * h + 1] : 0.f;
+#ifdef PC_ATTN_AVX2
+          if (vec) {
+            store_out(orow + h * d, &acc[h * d], d, inv);
+            continue;
+          }
+#endif
+          for (int64_t i = 0; i < d; ++i) orow[h * d + i] = static_cast<Q>(acc[h * d + i] * inv);
         }
       }
-      for (int64_t h = 0; h < hq; ++h) {
-        float* sh = &scores[h * count];
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < count; ++j) m = std::max(m, sh[j]);
-        float total = 0.f;
-        for (int64_t j = 0; j < count; ++j) { sh[j] = std::exp(sh[j] - m); total += sh[j]; }
-        const float inv = 1.f / total;
-        for (int64_t j = 0; j < count; ++j) sh[j] *= inv;
-      }
-      // Pass 2: weighted values, V read once.
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p = first; p < len; ++p) {
-        const T* vp = v_cache + (int64_t(table[p / block_size]) * block_size + p % block_size) * hkv * d;
-        for (int64_t h = 0; h < hq; ++h) axpy(&acc[h * d], scores[h * count + (p - first)], vp + (h / group) * d, d);
-      }
-      Q* orow = out + s * hq * d;
-      for (int64_t i = 0; i < hq * d; ++i) orow[i] = static_cast<Q>(acc[i]);
     }
   });
+  if (slots == 0) return;
+  // Combine the partitions of each split sequence (consecutive items): rescale to the common max.
+  std::vector<float> o(d);
+  for (int64_t it = 0; it < num_items;) {
+    if (items[it].slot < 0) {
+      ++it;
+      continue;
+    }
+    int64_t last = it;
+    while (last + 1 < num_items && items[last + 1].seq == items[it].seq) ++last;
+    for (int64_t h = 0; h < hq; ++h) {
+      float m = -std::numeric_limits<float>::max();
+      for (int64_t j = it; j <= last; ++j) m = std::max(m, partial[(items[j].slot * hq + h) * pstride]);
+      float l = 0.f;
+      std::fill(o.begin(), o.end(), 0.f);
+      for (int64_t j = it; j <= last; ++j) {
+        const float* pj = partial.data() + (items[j].slot * hq + h) * pstride;
+        if (pj[1] == 0.f) continue;  // empty partition
+        const float f = std::exp(pj[0] - m);
+        l += f * pj[1];
+        for (int64_t i = 0; i < d; ++i) o[i] += f * pj[2 + i];
+      }
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      Q* orow = out + (items[it].seq * hq + h) * d;
+      for (int64_t i = 0; i < d; ++i) orow[i] = static_cast<Q>(o[i] * inv);
+    }
+    it = last + 1;
+  }
 }
+
+}  // namespace
 
 // query [T, Hq, D] (last dim contiguous); rows [n] int64: query row of each sequence;
 // caches [num_blocks, block_size, Hkv, D] contiguous; block_table [n, max_blocks] int32; seq_lens [n] int32.
@@ -105,8 +634,10 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor rows, torch::Tenso
   TORCH_CHECK(query.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(), "layout");
   TORCH_CHECK(block_table.is_contiguous() && block_table.scalar_type() == at::kInt, "block_table int32");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && rows.scalar_type() == at::kLong, "seq_lens int32, rows int64");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches of one dtype");
   const int64_t n = rows.size(0), hq = query.size(1), d = query.size(2);
   const int64_t hkv = k_cache.size(2), block_size = k_cache.size(1);
+  TORCH_CHECK(hkv > 0 && hq % hkv == 0 && k_cache.size(3) == d, "heads / head_dim");
   auto out = torch::empty({n, hq, d}, query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode_kv", [&] {
     using T = scalar_t;
