@@ -21,13 +21,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=None)
     g.add_argument("--quantization", default=None, choices=["int4"],
                    help="weight-only int4 linears on the CPU (faster single-stream decode; bf16-level differences)")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture the model forward with torch.compile (compiles on the first step; eager if it "
+                        "fails); default: on for CUDA, off for CPU")
 
 
 def _engine_settings(args) -> dict:
     return dict(model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, attention_backend=args.attention_backend,
-                quantization=args.quantization)
+                quantization=args.quantization, compile=args.compile)
 
 
 def cmd_generate(args) -> int:

@@ -34,6 +34,10 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
     quantization: str | None = None  # None | "int4": weight-only int4 linears (CPU; single-stream speed)
     pack_weights: bool = True  # CPU: linears run over weights packed once at load (pagedcore/packed_linear.py)
+    # Capture the model forward with torch.compile (pagedcore/capture.py); eager if it fails.
+    # None: on for CUDA (CUDA graphs), off for CPU, where the captured step measured no faster than
+    # the eager C++ lean layers (README, "Captured forward") and the first compile takes minutes.
+    compile: bool | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -53,6 +57,9 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def use_compile(self, device: torch.device) -> bool:
+        return device.type == "cuda" if self.compile is None else self.compile
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         import torch

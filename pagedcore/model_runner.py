@@ -75,6 +75,11 @@ class ModelRunner:
         fast_layers.install(model, device)
         if config.pack_weights:
             logger.info("packed linears: %d", packed_linear.install(model, device))
+        self.captured = None
+        if config.use_compile(device):
+            from pagedcore.capture import CapturedForward
+
+            self.captured = CapturedForward(model, device, config.max_num_seqs)
         max_len = min(config.max_model_len or self.shape.max_position_embeddings, self.num_blocks * self.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, max_len, self.block_size)
 
@@ -153,6 +158,8 @@ class ModelRunner:
         inp = self.prepare(sched)
         ctx = hf_glue.ForwardContext(self.backend, self.backend.build_metadata(inp.metadata), self.kv_caches)
         with hf_glue.forward_context(ctx):
+            if self.captured is not None:
+                return inp.sample_rows, self.captured(inp.input_ids, inp.positions, inp.logits_indices)
             out = self.model(input_ids=inp.input_ids[None], position_ids=inp.positions[None], use_cache=False,
                              logits_to_keep=inp.logits_indices)
         return inp.sample_rows, out.logits[0]
