@@ -28,6 +28,8 @@ import urllib.request
 from pathlib import Path
 
 SETTINGS_ENV = "PAGEDCORE_TRITON_SETTINGS"
+# The repository's top-level model_repository/ in a checkout; pagedcore/model_repository/ (package
+# data, the same files) in an installed wheel. Both sit beside this file's parent directory.
 DEFAULT_REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
 BACKEND_CACHE = Path(os.environ.get("PAGEDCORE_CACHE", Path.home() / ".cache" / "pagedcore")) / "triton_backends"
 
@@ -204,8 +206,8 @@ def serve(args) -> int:
         server.stop()
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("serve-triton", help="serve through NVIDIA Triton Inference Server (gRPC, HTTP generate)")
+def add_command_arguments(p: argparse.ArgumentParser) -> None:
+    """`pagedcore serve-triton` (pagedcore/cli.py imports this module only for that subcommand)."""
     add_arguments(p)
     p.set_defaults(func=serve)
 

@@ -1,14 +1,9 @@
-"""pagedcore.kernels: Triton GPU kernels (and their torch references / CPU paths) for paged attention.
+"""pagedcore.kernels: the attention kernels and the CPU ops, below the engine.
 
-Without a CUDA device Triton cannot compile anything, so the kernels fall back to Triton's CPU
-interpreter (TRITON_INTERPRET=1), which runs them on CPU tensors -- slowly, but exactly as
-written. This must happen before any `@triton.jit` function is defined, hence here.
+Two families, imported separately so that neither drags the other in:
+  - the C++ CPU ops (cpu_ext.py, csrc/) and their torch fallbacks (cpu_attention.py, torch_ops.py),
+    used by the engine's CPU paths (attention, packed linears, the sampler);
+  - the Triton kernels (triton_backend.py and the kernel modules it imports). Whether they run in
+    Triton's CPU interpreter is decided in triton_utils.py, when they are first imported: importing
+    this package, or the CPU ops, changes nothing in the process's environment.
 """
-
-import os as _os
-
-if "TRITON_INTERPRET" not in _os.environ:
-    import torch as _torch
-
-    if not _torch.cuda.is_available():
-        _os.environ["TRITON_INTERPRET"] = "1"

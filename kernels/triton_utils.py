@@ -1,4 +1,8 @@
-"""Small pieces shared by the Triton attention kernels."""
+"""Small pieces shared by the Triton attention kernels, and the choice of Triton's CPU interpreter.
+
+Every Triton kernel module imports this one before it defines a kernel (cache_write.py is imported
+after block_copy.py by the backend), so the interpreter is chosen here, for the Triton kernels only.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,18 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+
+def use_interpreter_without_cuda() -> None:
+    """Without a CUDA device Triton compiles nothing: run the kernels in its CPU interpreter
+    (TRITON_INTERPRET=1), on CPU tensors -- slowly, but exactly as written. `@triton.jit` reads the
+    variable when a kernel is defined, so this runs before the first one; a value already set wins
+    (aot_check.py needs TRITON_INTERPRET=0 on a CPU-only machine)."""
+    if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+use_interpreter_without_cuda()
 
 # log2(e): the kernels use exp2 (one native instruction on GPUs) on scores pre-multiplied by
 # log2(e), so exp(s - m) == exp2(s * log2e - m * log2e).

@@ -1,8 +1,14 @@
-"""`pagedcore` command line: generate (more subcommands join as front doors land)."""
+"""`pagedcore` command line: generate, serve-bentoml, serve-triton, bench.
+
+Each subcommand's arguments are added, by importing the module that owns them, only when that
+subcommand is the one run: `pagedcore --help` and `pagedcore generate` import neither the front
+doors nor the benchmarks (dependencies point one way: adapters -> engine -> kernels).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -89,12 +95,7 @@ def cmd_serve_bentoml(args) -> int:
     return 0  # reached only when exec is stubbed out (tests)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pagedcore", description="pagedcore LLM inference engine")
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    g = sub.add_parser("generate", help="generate text for one or more prompts")
+def add_generate_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("prompt", nargs="*", help="prompt text (chat template applied for chat models)")
     g.add_argument("--prompts-file", help="one prompt per line")
     g.add_argument("--max-tokens", type=int, default=64)
@@ -110,22 +111,57 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_args(g)
     g.set_defaults(func=cmd_generate)
 
-    from pagedcore import gc_paused
 
-    with gc_paused():  # the bench parsers import torch (which generate needs anyway)
-        from pagedcore import bench
-        from pagedcore.adapters import triton_launcher
-
-        bench.add_parser(sub)
-        triton_launcher.add_parser(sub)  # serve-triton
-
-    b = sub.add_parser("serve-bentoml", help="serve the OpenAI-compatible API through BentoML (bentoml serve)")
+def add_serve_bentoml_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--host", default="127.0.0.1")
     b.add_argument("--port", type=int, default=3000)
     _add_engine_args(b)
     b.set_defaults(func=cmd_serve_bentoml)
 
-    args = parser.parse_args(argv)
+
+# name -> (help, what adds the subcommand's arguments and sets its `func`: a function here, or
+# "module:function" for a module imported only when the subcommand runs)
+COMMANDS = {
+    "generate": ("generate text for one or more prompts", add_generate_arguments),
+    "serve-bentoml": ("serve the OpenAI-compatible API through BentoML (bentoml serve)", add_serve_bentoml_arguments),
+    "serve-triton": ("serve through NVIDIA Triton Inference Server (gRPC, HTTP generate)",
+                     "pagedcore.adapters.triton_launcher:add_command_arguments"),
+    "bench": ("benchmarks against peers measured in the same run", "pagedcore.bench:add_command_arguments"),
+}
+
+
+class LazySubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser that gets its arguments (importing the module that owns them) when it
+    first parses: only the subcommand being run is ever loaded."""
+
+    def __init__(self, *args, add_arguments=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._add_arguments = add_arguments
+
+    def parse_known_args(self, args=None, namespace=None):
+        add_arguments, self._add_arguments = self._add_arguments, None
+        if isinstance(add_arguments, str):
+            from pagedcore import gc_paused
+
+            module, _, name = add_arguments.partition(":")
+            with gc_paused():  # bench and the launcher import torch (which the command needs anyway)
+                add_arguments = getattr(importlib.import_module(module), name)
+        if add_arguments is not None:
+            add_arguments(self)
+        return super().parse_known_args(args, namespace)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedcore", description="pagedcore LLM inference engine")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=LazySubcommandParser)
+    for name, (help, add_arguments) in COMMANDS.items():
+        sub.add_parser(name, help=help, add_arguments=add_arguments)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         return args.func(args)

@@ -131,7 +131,7 @@ def test_unknown_peer_is_a_clear_error():
 
 def test_missing_peer_names_the_setup_command(no_peer_venvs):
     python, why = find_python(PEERS["llama-cpp"])
-    assert python is None and "benchmarks/setup_peers.sh llama-cpp" in why
+    assert python is None and "pagedcore/bench/setup_peers.sh llama-cpp" in why
 
 
 def test_prefix_bench_smoke(tiny_model_dir, tmp_path):

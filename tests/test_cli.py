@@ -90,3 +90,28 @@ def test_unparsable_flag_is_an_argparse_error():
     r = cli("generate", "Hello", "--max-tokens", "many")
     assert r.returncode == 2
     assert "--max-tokens" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_help_lists_every_subcommand():
+    r = cli("--help", timeout=60)
+    assert r.returncode == 0, r.stderr
+    for name in ("generate", "serve-bentoml", "serve-triton", "bench"):
+        assert name in r.stdout
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["serve-triton", "--help"], ["--model-repository", "--set KEY=VALUE"]),
+    (["bench", "--help"], ["throughput", "step", "linears", "attention", "serve", "memory", "prefix", "plot"]),
+    (["bench", "attention", "--help"], ["--shapes", "--repeats"]),
+])
+def test_each_subcommand_brings_its_own_arguments(argv, words):
+    """The subcommands' modules are imported only when they run (tests/test_import_layering.py)."""
+    r = cli(*argv, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for w in words:
+        assert w in r.stdout, (w, r.stdout)
+
+
+def test_unknown_bench_command_is_an_argparse_error():
+    r = cli("bench", "nosuch", timeout=120)
+    assert r.returncode == 2 and "invalid choice" in r.stderr and "Traceback" not in r.stderr

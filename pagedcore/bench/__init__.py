@@ -1,16 +1,21 @@
-"""`pagedcore bench ...`: benchmarks of the engine against peer engines measured in the same run.
+"""`pagedcore bench ...`: every benchmark of pagedcore, here and nowhere else (results go to benchmarks/results/).
 
-throughput (offline, with peers), step (a decode step's time by part), linears (each linear shape vs the machine's ceilings), serve (online, Poisson, through the front doors), memory (KV waste,
-concurrency, sharing), prefix (TTFT with a shared prompt), plot and report (PNG, README table from JSON).
+throughput (offline, with peers), step (a decode step's time by part), linears (each linear shape vs the
+machine's ceilings), attention (one attention layer's decode step, per kernel), serve (online, Poisson,
+through the front doors, launched as `pagedcore serve-*` processes), memory (KV waste, concurrency,
+sharing), prefix (TTFT with a shared prompt), plot and report (PNG, README table from JSON).
+setup_peers.sh installs the peer engines, each in a virtualenv of its own.
+
+The benchmarks are clients of the engine and its front doors; nothing in the engine imports them.
 """
 
 from __future__ import annotations
 
 
-def add_parser(sub) -> None:
-    from pagedcore.bench import linears, memory, plot, prefix, report, serve, step_profile, throughput
+def add_command_arguments(b) -> None:
+    """`pagedcore bench` (pagedcore/cli.py imports this package only for that subcommand)."""
+    from pagedcore.bench import attention, linears, memory, plot, prefix, report, serve, step_profile, throughput
 
-    b = sub.add_parser("bench", help="benchmarks against peers measured in the same run")
     bsub = b.add_subparsers(dest="bench_command", required=True)
-    for module in (throughput, step_profile, linears, serve, memory, prefix, plot, report):
+    for module in (throughput, step_profile, linears, attention, serve, memory, prefix, plot, report):
         module.add_parser(bsub)

@@ -1,4 +1,4 @@
-"""Peer engines, each run as a subprocess with its own virtualenv's python (see benchmarks/setup_peers.sh).
+"""Peer engines, each run as a subprocess with its own virtualenv's python (see setup_peers.sh, beside this file).
 
 A peer that is not installed is skipped with one line saying how to install it. transformers is a
 dependency of pagedcore itself, so its peers fall back to this interpreter when no separate venv exists.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SCRIPTS = Path(__file__).parent / "peer_scripts"
-SETUP = "bash benchmarks/setup_peers.sh"
+SETUP = "bash pagedcore/bench/setup_peers.sh"
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
     pagedcore bench serve --frontend bentoml,triton --num-prompts 64 --request-rate 4 --json serve.json
 
-Each front door (BentoML's OpenAI route, the Triton server) is launched on free loopback ports with
-the same engine settings, sent the same seeded workload, and stopped, also on Ctrl-C or an error;
+Each front door (BentoML's OpenAI route, the Triton server) is launched as its `pagedcore serve-*`
+command on free loopback ports with the same engine settings, sent the same seeded workload, and
+stopped, also on Ctrl-C or an error (the bench is a client: it imports no adapter);
 `--url` (or `--no-launch`) measures servers already running instead. Per door: TTFT, TPOT, ITL and
 end-to-end latency (mean, p50, p90, p99) and request / output-token throughput. The clients live in
 serve_clients.py.
@@ -36,7 +37,7 @@ from pagedcore.bench.workload import Workload, add_workload_args, workload_from_
 
 # Where `pagedcore serve-bentoml` / `pagedcore serve-triton` listen by default (for --no-launch).
 DEFAULT_URLS = {"bentoml": "http://127.0.0.1:3000", "triton": "127.0.0.1:8001"}
-BENTOML_SERVICE = "pagedcore.adapters.bentoml_service:PagedCore"
+PAGEDCORE = [sys.executable, "-m", "pagedcore.cli"]
 
 
 # ---- launching and stopping a front door --------------------------------------------------------------
@@ -60,23 +61,25 @@ def free_ports(n: int) -> list[int]:
 
 
 def launch_bentoml(settings: dict, workdir: Path) -> Server:
+    """`pagedcore serve-bentoml`; engine settings travel as PAGEDCORE_* variables (all of them,
+    num_threads included, which has no flag)."""
     port, = free_ports(1)
     env = {**os.environ, "BENTOML_HOME": str(workdir), "BENTOML_DO_NOT_TRACK": "True",
            "TOKENIZERS_PARALLELISM": "false", **{f"PAGEDCORE_{k.upper()}": str(v) for k, v in settings.items()}}
-    cmd = [sys.executable, "-m", "bentoml", "serve", BENTOML_SERVICE, "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [*PAGEDCORE, "serve-bentoml", "--host", "127.0.0.1", "--port", str(port)]
     base = f"http://127.0.0.1:{port}"
     return Server(_spawn(cmd, env, workdir), base, f"{base}/readyz", workdir / "server.log")
 
 
 def launch_triton(settings: dict, workdir: Path) -> Server:
-    from pagedcore.adapters.triton_launcher import TritonServer, server_environment
-
+    """`pagedcore serve-triton`; engine settings travel as `--set KEY=JSON`. The command starts
+    tritonserver in its own process group (the one `_spawn` makes), so one group kill stops it all."""
     http, grpc, metrics = free_ports(3)
-    # TritonServer gives the command line and the stub's environment; the process is spawned here,
-    # in a session of its own, so that one group kill stops the server and its backend stubs.
-    cmd = TritonServer(http_port=http, grpc_port=grpc, metrics_port=metrics).command()
-    return Server(_spawn(cmd, server_environment(settings), workdir), f"127.0.0.1:{grpc}",
-                  f"http://127.0.0.1:{http}/v2/health/ready", workdir / "server.log")
+    cmd = [*PAGEDCORE, "serve-triton", "--http-port", str(http), "--grpc-port", str(grpc),
+           "--metrics-port", str(metrics), *(f"--set={k}={json.dumps(v)}" for k, v in settings.items())]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    return Server(_spawn(cmd, env, workdir), f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}/v2/health/ready",
+                  workdir / "server.log")
 
 
 LAUNCHERS = {"bentoml": launch_bentoml, "triton": launch_triton}

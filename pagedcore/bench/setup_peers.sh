@@ -2,8 +2,8 @@
 # Install the peer engines for `pagedcore bench ... --peers`, each into its own virtualenv
 # (never into the project's environment). Re-runnable: an existing, working venv is kept.
 #
-#   bash benchmarks/setup_peers.sh                 # all: transformers, vllm, llama-cpp, openvino
-#   bash benchmarks/setup_peers.sh vllm llama-cpp  # some
+#   bash pagedcore/bench/setup_peers.sh                 # all: transformers, vllm, llama-cpp, openvino
+#   bash pagedcore/bench/setup_peers.sh vllm llama-cpp  # some
 #
 # Venvs go to $PAGEDCORE_PEERS_DIR (default ~/.cache/pagedcore/peers/<name>); the bench finds them there.
 set -euo pipefail

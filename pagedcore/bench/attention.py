@@ -1,6 +1,6 @@
-"""Micro-benchmark of one decode step of one attention layer.
+"""`pagedcore bench attention`: micro-benchmark of one decode step of one attention layer.
 
-    python -m pagedcore.kernels.bench [--json PATH] [--repeats N] [--shapes smollm2,long]
+    pagedcore bench attention [--json PATH] [--repeats N] [--shapes smollm2,long]
 
 Rows, per device and dtype:
   naive-sdpa     gather every sequence's context through its block table in a Python loop into a
@@ -205,13 +205,7 @@ def print_table(result: dict) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--shapes", default="smollm2,long", help=f"comma list of {sorted(SHAPES)}")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    args = ap.parse_args(argv)
+def main(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     result = run([s for s in args.shapes.split(",") if s], args.repeats)
@@ -219,7 +213,26 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--shapes", default="smollm2,long", help=f"comma list of {sorted(SHAPES)}")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.set_defaults(func=main)
+
+
+def add_parser(bsub) -> None:
+    p = bsub.add_parser("attention", help="one attention layer's decode step: naive gather+SDPA, the CPU paths, "
+                                          "the Triton kernel (CUDA)",
+                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args()
+    raise SystemExit(args.func(args))
