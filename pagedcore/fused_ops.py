@@ -5,13 +5,14 @@ step, on a CPU their dispatch and extra passes over memory cost more than the ma
 (kernels/csrc, built with the decode kernel) does one pass per row with the same semantics and the
 same roundings; only its fp32 sum of squares runs in another order, so results match transformers'
 within about an ulp (in bf16, >99% of elements bit-equal). Where the kernel is not
-available, or off the CPU, nothing is replaced.
+available, or off the CPU, nothing is replaced. A tracked model records the undo (installs.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from pagedcore import installs
 from pagedcore.kernels import cpu_ext
 
 # Classes whose forward is exactly weight * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype).
@@ -20,17 +21,17 @@ LLAMA_STYLE_RMSNORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3
 
 def patch_forwards(model: torch.nn.Module, device: torch.device, make_forward) -> int:
     """Set `module.forward = make_forward(ext, module)` on every module for which it returns one
-    (on the CPU, with the C++ ops built); returns how many."""
+    (on the CPU, with the C++ ops built), recording the undo on a tracked model; returns how many."""
     ext = cpu_ext.load() if device.type == "cpu" else None
     if ext is None:
         return 0
-    count = 0
+    undos = []
     for module in model.modules():
         forward = make_forward(ext, module)
         if forward is not None:
-            module.forward = forward
-            count += 1
-    return count
+            undos.append(installs.set_forward(module, forward))
+    installs.record(model, installs.undo_all(undos))
+    return len(undos)
 
 
 def install(model: torch.nn.Module, device: torch.device) -> int:

@@ -9,7 +9,7 @@ Results equal `F.linear`'s up to the order of the fp32 sums.
 Any HF decoder: the Linear modules themselves are patched (their `forward`), so transformers'
 layers, the lean layers and plugins all run through it without per-model code. The original
 weight stays on the module (tied embeddings, state dicts, `restore`). int4 linears keep their own
-pre-packed kernel.
+pre-packed kernel. A tracked model records the undo (installs.py).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedcore import installs
 from pagedcore.kernels import cpu_ext
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -28,13 +29,11 @@ def install(model: nn.Module, device: torch.device) -> int:
     ext = cpu_ext.load() if device.type == "cpu" else None
     if ext is None:
         return 0
-    count = 0
-    for module in model.modules():
-        if type(module) is nn.Linear and module.weight.dtype in PACKABLE_DTYPES \
-                and module.weight.device.type == "cpu" and not hasattr(module, "_pagedcore_packed"):
-            _patch(ext, module)
-            count += 1
-    return count
+    undos = [_patch(ext, module) for module in model.modules()
+             if type(module) is nn.Linear and module.weight.dtype in PACKABLE_DTYPES
+             and module.weight.device.type == "cpu" and not hasattr(module, "_pagedcore_packed")]
+    installs.record(model, installs.undo_all(undos))
+    return len(undos)
 
 
 def restore(model: nn.Module) -> int:
@@ -48,7 +47,7 @@ def restore(model: nn.Module) -> int:
     return count
 
 
-def _patch(ext, module: nn.Linear) -> None:
+def _patch(ext, module: nn.Linear) -> installs.Undo:
     packed = ext.pack_linear_weight(module.weight.detach())
     out_features = module.out_features
     bias = None if module.bias is None else module.bias.detach()
@@ -60,4 +59,10 @@ def _patch(ext, module: nn.Linear) -> None:
             return original(module, x)
         return ext.packed_linear(x, packed, out_features, bias)
 
-    module.forward = forward
+    undo_forward = installs.set_forward(module, forward)
+
+    def undo() -> None:  # idempotent: `restore` may have run first
+        module.__dict__.pop("_pagedcore_packed", None)
+        undo_forward()
+
+    return undo

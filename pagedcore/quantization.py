@@ -11,9 +11,12 @@ then rounded to the activation dtype. Results differ from the bf16 path at bf16-
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
+from pagedcore import installs
 from pagedcore.kernels import cpu_ext
 
 GROUP_SIZE = 32
@@ -54,14 +57,17 @@ class Int4Linear(nn.Module):
 
 def quantize_int4(model: nn.Module, device: torch.device) -> int:
     """Replace every nn.Linear the kernel can take (input width a multiple of the group size, output
-    width of 16); returns how many."""
+    width of 16); returns how many. A tracked model records the undo (the original linears, installs.py)."""
     if device.type != "cpu":
         raise ValueError("quantization='int4' uses torch's CPU int4 kernel: run it on the CPU")
     dtype = next(model.parameters()).dtype
     targets = [(name, m) for name, m in model.named_modules()
                if isinstance(m, nn.Linear) and m.in_features % GROUP_SIZE == 0 and m.out_features % 16 == 0]
+    undos = []
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, Int4Linear(linear, dtype))
+        undos.append(functools.partial(setattr, parent, child, linear))
+    installs.record(model, installs.undo_all(undos))
     return len(targets)

@@ -19,6 +19,7 @@ from pagedcore import hookimpl
 from pagedcore.adapters.hf import (FallbackWarning, get_engine, patch, patch_all, patched, unpatch,
                                    unpatch_all)
 from pagedcore.attention.hf_glue import ATTN_IMPLEMENTATION
+from pagedcore.kernels import cpu_ext
 
 HF_GENERATE = GenerationMixin.generate  # transformers' own, whatever is patched later
 SMOL_SETTINGS = dict(num_kv_blocks=256, block_size=16)
@@ -359,6 +360,39 @@ def test_unpatch_restores_transformers_generate(tiny_llama, tiny_prompts):
         assert model.generate != original_method
         assert torch.equal(model.generate(ids, attention_mask=mask, **kw), before)
     assert model.generate == original_method and model.config._attn_implementation == original_attn
+
+
+def pagedcore_traces(model) -> list[str]:
+    """Whatever of pagedcore is left on a model's modules: instance forwards, pagedcore attributes or classes."""
+    found = []
+    for name, m in model.named_modules():
+        found += [f"{name}.{a}" for a in vars(m) if a == "forward" or "pagedcore" in a]
+        found += [f"{name}: {type(m).__name__}"] if type(m).__module__.startswith("pagedcore") else []
+    return found
+
+
+@pytest.mark.parametrize("settings", [{}, {"quantization": "int4"}], ids=["default", "int4"])
+def test_unpatch_gives_the_model_back_bit_for_bit(settings, tiny_model_dir, tiny_prompts, smollm2_tokenizer):
+    load = lambda: AutoModelForCausalLM.from_pretrained(str(tiny_model_dir("llama")), dtype=torch.float32).eval()
+    model, untouched = load(), load()
+    ids, mask = pad_batch(tiny_prompts, "left")
+    kw = greedy_kw(max_new_tokens=6, pad_token_id=0)
+
+    patch(model, **TINY_SETTINGS, **settings)
+    model.generate(ids, attention_mask=mask, **kw)
+    # stop strings need a tokenizer: the engine is remade, installing itself a second time
+    model.generate(ids, attention_mask=mask, stop_strings=["zqxj"], tokenizer=smollm2_tokenizer, **kw)
+    assert pagedcore_traces(model) or cpu_ext.load() is None  # the engine did change the model
+    unpatch(model)
+
+    assert pagedcore_traces(model) == []
+    assert [type(m) for m in model.modules()] == [type(m) for m in untouched.modules()]
+    assert model.config._attn_implementation == untouched.config._attn_implementation
+    state, ref_state = model.state_dict(), untouched.state_dict()
+    assert state.keys() == ref_state.keys() and all(torch.equal(state[k], ref_state[k]) for k in state)
+    with torch.inference_mode():
+        assert torch.equal(model(ids, attention_mask=mask).logits, untouched(ids, attention_mask=mask).logits)
+    assert torch.equal(model.generate(ids, attention_mask=mask, **kw), untouched.generate(ids, attention_mask=mask, **kw))
 
 
 def test_patch_all_and_unpatch_all(tiny_model_dir, tiny_prompts):

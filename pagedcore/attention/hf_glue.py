@@ -4,15 +4,22 @@ transformers calls `ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module,
 after projections and RoPE. We register "pagedcore" there; the per-step state (backend, its
 metadata, the KV cache) sits in a forward context set by the model runner around each forward.
 Because "pagedcore" has no mask function registered, transformers builds no attention mask at all.
+
+The forward context is a `ContextVar`, not a module global: each thread (and each asyncio task)
+sees only the context its own engine set, so engines stepping in their own threads (AsyncLLMEngine,
+two `LLM`s in one process) never read each other's metadata or KV caches.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from pagedcore import installs
 
 ATTN_IMPLEMENTATION = "pagedcore"
 
@@ -24,27 +31,28 @@ class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
 
 
-_context: ForwardContext | None = None
+_context: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("pagedcore_forward_context",
+                                                                               default=None)
 
 
 @contextlib.contextmanager
 def forward_context(ctx: ForwardContext):
-    global _context
-    prev, _context = _context, ctx
+    """Make `ctx` the current forward context of this thread (or task) while the block runs."""
+    token = _context.set(ctx)
     try:
         yield
     finally:
-        _context = prev
+        _context.reset(token)
 
 
 def current() -> ForwardContext | None:
-    """The engine's per-step state while a forward runs inside `forward_context`, else None."""
-    return _context
+    """This thread's engine step state while a forward runs inside `forward_context`, else None."""
+    return _context.get()
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """query: [1, Hq, T, D]; key/value: [1, Hkv, T, D] for this step's T flattened tokens."""
-    ctx = _context
+    ctx = _context.get()
     if ctx is None:
         raise RuntimeError("pagedcore attention called outside the engine's forward context")
     k_cache, v_cache = ctx.kv_caches[module.layer_idx]
@@ -59,7 +67,10 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
 
 
 def install(model) -> None:
+    """Switch the model to paged attention; a tracked model records the switch back (installs.py)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    installs.record(model, lambda: model.set_attn_implementation(previous))
