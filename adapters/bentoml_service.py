@@ -13,7 +13,8 @@ in the API (default: "SmolLM2-135M-Instruct" for the bundled one, else the model
 Routes:
   /v1/models, /v1/completions, /v1/chat/completions   OpenAI API (see adapters/openai_api.py)
   /generate                                            native stream of text deltas (POST JSON)
-  /healthz /livez /readyz /metrics                     BentoML's own; /metrics adds pagedcore_* gauges
+  /healthz /livez /readyz /metrics                     BentoML's own; /metrics adds the engine's pagedcore:*
+                                                       metrics (pagedcore/metrics.py; README "Metrics")
 
 One worker: the engine batches every request itself, so a second worker would only halve its memory.
 """
@@ -25,7 +26,6 @@ import dataclasses
 import json
 import logging
 import os
-import threading
 import types
 import typing
 from contextlib import aclosing
@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedcore.adapters.openai_api import OpenAIError, OpenAIServing
 from pagedcore.config import EngineConfig
+from pagedcore.metrics import METRICS, MetricsPublisher, Update
 from pagedcore.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger("pagedcore")
@@ -88,55 +89,40 @@ def served_model_name(model: str | None, environ: typing.Mapping[str, str] = os.
 
 # ---- metrics ---------------------------------------------------------------------------------------
 
-class EngineMetrics:
-    """pagedcore_* gauges in BentoML's /metrics, refreshed from the engine's stats by a thread.
+class PrometheusMetrics:
+    """The engine's metrics (`pagedcore.metrics.METRICS`, labelled `model_name`) in BentoML's /metrics.
 
-    prometheus_client is imported here, not at module import: BentoML sets its multiprocess
-    directory in the worker after importing the service module (what `bentoml.metrics`, now
-    deprecated, did for the same reason).
+    BentoML serves /metrics from prometheus_client's multiprocess files, so the metrics are pushed:
+    `MetricsPublisher` sets the gauges, advances the counters and replays the histograms' new
+    observations every METRICS_INTERVAL_S. prometheus_client is imported here, not at module import:
+    BentoML sets its multiprocess directory in the worker after importing the service module (what
+    `bentoml.metrics`, now deprecated, did for the same reason).
     """
 
-    def __init__(self, read_stats):
-        from prometheus_client import Counter, Gauge
+    def __init__(self, engine, model_name: str):
+        from prometheus_client import Counter, Gauge, Histogram
 
-        self.read_stats = read_stats
-        g = lambda name, doc: Gauge(name, doc, multiprocess_mode="livemostrecent")
-        self.kv_usage = g("pagedcore_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1)")
-        self.kv_used = g("pagedcore_kv_cache_used_blocks", "KV cache blocks in use")
-        self.kv_total = g("pagedcore_kv_cache_total_blocks", "KV cache blocks in all")
-        self.running = g("pagedcore_num_requests_running", "Sequences in the running queue")
-        self.waiting = g("pagedcore_num_requests_waiting", "Sequences in the waiting queue")
-        self.swapped = g("pagedcore_num_requests_swapped", "Sequences swapped out to CPU")
-        self.preemptions = Counter("pagedcore_preemptions", "Sequences preempted since start")
-        self.generated = Counter("pagedcore_generation_tokens", "Tokens generated since start")
-        self._seen_preemptions = self._seen_generated = 0
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self.update()
-        threading.Thread(target=self._poll, name="pagedcore-metrics", daemon=True).start()
+        make = {
+            "gauge": lambda s: Gauge(s.name, s.help, ["model_name"], multiprocess_mode="livemostrecent"),
+            "counter": lambda s: Counter(s.name, s.help, ["model_name"]),
+            "histogram": lambda s: Histogram(s.name, s.help, ["model_name"], buckets=s.buckets),
+        }
+        self.metrics = {s.name: make[s.kind](s).labels(model_name=model_name) for s in METRICS}
+        self.publisher = MetricsPublisher(engine, self.push, METRICS_INTERVAL_S,
+                                          on_error=lambda e: logger.exception("updating engine metrics failed"))
 
-    def update(self) -> None:
-        s = self.read_stats()
-        with self._lock:
-            self.kv_usage.set(s.kv_usage)
-            self.kv_used.set(s.num_total_blocks - s.num_free_blocks)
-            self.kv_total.set(s.num_total_blocks)
-            self.running.set(s.num_running)
-            self.waiting.set(s.num_waiting)
-            self.swapped.set(s.num_swapped)
-            self.preemptions.inc(max(0, s.num_preemptions - self._seen_preemptions))
-            self.generated.inc(max(0, s.total_generated_tokens - self._seen_generated))
-            self._seen_preemptions, self._seen_generated = s.num_preemptions, s.total_generated_tokens
+    def push(self, update: Update) -> None:
+        metric = self.metrics[update.spec.name]
+        if update.spec.kind == "gauge":
+            metric.set(update.value)
+        elif update.spec.kind == "counter":
+            metric.inc(update.value)
+        else:
+            for _ in range(update.times):
+                metric.observe(update.value)
 
     def stop(self) -> None:
-        self._stop.set()
-
-    def _poll(self) -> None:
-        while not self._stop.wait(METRICS_INTERVAL_S):
-            try:
-                self.update()
-            except Exception:  # a metrics hiccup must never take the server down
-                logger.exception("updating engine metrics failed")
+        self.publisher.stop()
 
 
 # ---- the HTTP app ------------------------------------------------------------------------------------
@@ -219,9 +205,9 @@ class PagedCore:
         model = settings.get("model")
         self.openai = OpenAIServing(self.engine, served_model_name(model),
                                     aliases=tuple(a for a in (model,) if a))
-        # The live stats: AsyncLLMEngine.stats() is the last *step's* snapshot, which misses
-        # blocks freed by an abort when no step follows.
-        self.metrics = EngineMetrics(self.engine.engine.stats)
+        # Read live from the LLMEngine: AsyncLLMEngine.stats() is the last *step's* snapshot, which
+        # misses blocks freed by an abort when no step follows.
+        self.metrics = PrometheusMetrics(self.engine.engine, self.openai.model_name)
 
     @bentoml.on_shutdown
     def shutdown(self) -> None:

@@ -10,8 +10,9 @@ and outputs back into tensors.
 Inputs: text_input (string), stream, exclude_input_in_output, return_num_input_tokens,
 return_num_output_tokens (bool), sampling_parameters (JSON of SamplingParams).
 Outputs: text_output, finish_reason (final response), num_input_tokens, num_output_tokens.
-Metrics: engine gauges/counters on Triton's /metrics through the Python backend's custom metrics
-API (pb_utils.MetricFamily).
+Metrics: the engine's pagedcore:* gauges, counters and histograms (pagedcore/metrics.py, the same
+names as the BentoML door) on Triton's /metrics through the Python backend's custom metrics API
+(pb_utils.MetricFamily).
 
 Engine settings: model.json beside model.py (or beside config.pbtxt), overridden key by key by the
 JSON object in $PAGEDCORE_TRITON_SETTINGS.
@@ -32,6 +33,7 @@ import triton_python_backend_utils as pb_utils
 
 from pagedcore.adapters.triton_launcher import SETTINGS_ENV
 from pagedcore.async_engine import AsyncLLMEngine
+from pagedcore.metrics import METRICS, MetricsPublisher, Update
 from pagedcore.outputs import OutputKind, RequestOutput
 from pagedcore.sampling_params import InvalidRequestError
 
@@ -131,56 +133,40 @@ def error_response(message: str, code):
 
 
 # ---- metrics --------------------------------------------------------------------------------------
-class EngineMetrics:
-    """Engine stats polled into Triton custom metrics (served on the metrics port's /metrics)."""
+class TritonMetrics:
+    """The engine's metrics (`pagedcore.metrics.METRICS`) as Triton custom metrics, served on the
+    metrics port's /metrics: `MetricsPublisher` sets the gauges, increments the counters and replays
+    the histograms' new observations every METRICS_INTERVAL_S."""
 
-    def __init__(self, engine: AsyncLLMEngine, labels: dict[str, str]):
-        self.engine = engine
-        gauge, counter = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
-        self._families = []  # a family dropped is a family unregistered: keep them alive
-
-        def metric(name: str, description: str, kind):
-            family = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+    def __init__(self, engine, labels: dict[str, str]):
+        # pb_utils gets MetricFamily from the stub when the model is loaded, not at import.
+        kinds = {"gauge": pb_utils.MetricFamily.GAUGE, "counter": pb_utils.MetricFamily.COUNTER,
+                 "histogram": pb_utils.MetricFamily.HISTOGRAM}
+        self._families = []  # a family dropped is a family unregistered: kept until close()
+        self.metrics = {}
+        for spec in METRICS:
+            family = pb_utils.MetricFamily(name=spec.name, description=spec.help, kind=kinds[spec.kind])
             self._families.append(family)
-            return family.Metric(labels=labels)
+            self.metrics[spec.name] = family.Metric(labels=labels, buckets=list(spec.buckets)) \
+                if spec.kind == "histogram" else family.Metric(labels=labels)
+        self.publisher = MetricsPublisher(
+            engine, self.push, METRICS_INTERVAL_S,
+            on_error=lambda e: pb_utils.Logger.log_warn(f"pagedcore metrics update failed: {e}"))
 
-        self.running = metric("pagedcore_num_requests_running", "Sequences in the running batch", gauge)
-        self.waiting = metric("pagedcore_num_requests_waiting", "Sequences waiting to be scheduled", gauge)
-        self.kv_used = metric("pagedcore_kv_blocks_used", "KV cache blocks in use", gauge)
-        self.kv_total = metric("pagedcore_kv_blocks_total", "KV cache blocks in the pool", gauge)
-        self.tokens = metric("pagedcore_generation_tokens_total", "Tokens generated", counter)
-        self.preemptions = metric("pagedcore_num_preemptions_total", "Sequences preempted", counter)
-        self._counted = {"tokens": 0, "preemptions": 0}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pagedcore-triton-metrics", daemon=True)
-        self._thread.start()
-
-    def update(self) -> None:
-        # LLMEngine.stats() reads live counters. (AsyncLLMEngine.stats() is the last step's snapshot, which
-        # stays stale when an abort leaves the engine idle: no step follows to refresh it.)
-        s = self.engine.engine.stats()
-        self.running.set(s.num_running)
-        self.waiting.set(s.num_waiting)
-        self.kv_used.set(s.num_total_blocks - s.num_free_blocks)
-        self.kv_total.set(s.num_total_blocks)
-        self._advance(self.tokens, "tokens", s.total_generated_tokens)
-        self._advance(self.preemptions, "preemptions", s.num_preemptions)
-
-    def _advance(self, counter, key: str, total: int) -> None:
-        if total > self._counted[key]:
-            counter.increment(total - self._counted[key])
-            self._counted[key] = total
-
-    def _run(self) -> None:
-        while not self._stop.wait(METRICS_INTERVAL_S):
-            try:
-                self.update()
-            except Exception as e:  # never let a metrics hiccup take the thread down
-                pb_utils.Logger.log_warn(f"pagedcore metrics update failed: {e}")
+    def push(self, update: Update) -> None:
+        metric = self.metrics[update.spec.name]
+        if update.spec.kind == "gauge":
+            metric.set(update.value)
+        elif update.spec.kind == "counter":
+            metric.increment(update.value)
+        else:
+            for _ in range(update.times):
+                metric.observe(update.value)
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self.publisher.stop()
+        self.metrics.clear()  # metrics before their families, as the Python backend requires
+        self._families.clear()
 
 
 async def _drain(timeout: float = 10.0) -> None:
@@ -202,7 +188,9 @@ class TritonPythonModel:
         self.loop = asyncio.new_event_loop()
         self.loop_thread = threading.Thread(target=self.loop.run_forever, name="pagedcore-triton-loop", daemon=True)
         self.loop_thread.start()
-        self.metrics = EngineMetrics(self.engine, {"model": args["model_name"], "version": args["model_version"]})
+        # Read live from the LLMEngine: AsyncLLMEngine.stats() is the last step's snapshot, which stays
+        # stale when an abort leaves the engine idle (no step follows to refresh it).
+        self.metrics = TritonMetrics(self.engine.engine, {"model_name": args["model_name"]})
 
     def execute(self, requests):
         for request in requests:

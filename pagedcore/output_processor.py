@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedcore.beam_search import BeamGroup
+from pagedcore.metrics import MetricsRecorder
 from pagedcore.outputs import CompletionOutput, Logprob, OutputKind, RequestMetrics, RequestOutput
 from pagedcore.sampling_params import SamplingParams
 from pagedcore.sequence import Sequence
@@ -34,6 +35,7 @@ class RequestState:
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.recorder = MetricsRecorder()  # request timings, read by pagedcore.metrics.EngineMetrics
 
     def make_logprobs(self, token_id: int, logprob: float, top_ids: list[int], top_lps: list[float]) -> dict[int, Logprob]:
         d = {tid: Logprob(lp, rank + 1) for rank, (tid, lp) in enumerate(zip(top_ids, top_lps))}
@@ -43,6 +45,7 @@ class OutputProcessor:
 
     def make_output(self, state: RequestState) -> RequestOutput | None:
         finished = state.finished
+        self._update_timings(state, finished)
         if state.output_kind is OutputKind.FINAL_ONLY and not finished:
             return None
         if state.beam is not None:
@@ -51,13 +54,19 @@ class OutputProcessor:
             seqs = self._select(state) if finished else state.seqs
             delta = state.output_kind is OutputKind.DELTA
             completions = [self._completion(state, seq, i, delta) for i, seq in enumerate(seqs)]
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished,
+                             state.metrics, num_cached_tokens=state.seqs[0].num_cached_tokens)
+
+    def _update_timings(self, state: RequestState, finished: bool) -> None:
+        """First token and finish times, each recorded once (final-only requests included)."""
         m = state.metrics
-        m.first_token_time = m.first_token_time or min(
-            (s.first_token_time for s in state.seqs if s.first_token_time), default=None)
-        if finished:
+        if m.first_token_time is None:
+            m.first_token_time = min((s.first_token_time for s in state.seqs if s.first_token_time), default=None)
+            if m.first_token_time is not None:
+                self.recorder.first_token(len(state.prompt_token_ids), m)
+        if finished and m.finished_time is None:
             m.finished_time = time.monotonic()
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished, m,
-                             num_cached_tokens=state.seqs[0].num_cached_tokens)
+            self.recorder.finished(max((s.num_output_tokens for s in state.seqs), default=0), m)
 
     def _select(self, state: RequestState) -> list[Sequence]:
         """The n best of best_of by cumulative logprob (all of them when best_of is unset)."""

@@ -23,6 +23,7 @@ pytest.importorskip("bentoml")
 
 from conftest import CHAT_PROMPTS  # noqa: E402
 from pagedcore import SamplingParams  # noqa: E402
+from pagedcore.metrics import METRICS  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -121,17 +122,40 @@ def gen_ref(offline, prompt, params):
     return out
 
 
-def metric(base: str, name: str) -> float:
+def scrape(base: str) -> dict[str, float]:
+    """The engine's samples in /metrics by name (histogram buckets as `name{le="..."}`), each checked
+    to carry the served model's name as its `model_name` label."""
     text = httpx.get(f"{base}/metrics", timeout=10).text
-    m = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
-    assert m, f"{name} not in /metrics"
-    return float(m.group(1))
+    samples = {}
+    for m in re.finditer(r"^(pagedcore:\w+)\{([^}]*)\} (\S+)$", text, re.M):
+        name, labels, value = m.groups()
+        assert f'model_name="{MODEL}"' in labels, m.group(0)
+        le = re.search(r'le="([^"]+)"', labels)
+        samples[name + (f'{{le="{le.group(1)}"}}' if le else "")] = float(value)
+    return samples
+
+
+def metric(base: str, name: str) -> float:
+    samples = scrape(base)
+    assert name in samples, f"{name} not in /metrics"
+    return samples[name]
+
+
+def wait_for_metrics(base: str, ready, timeout: float = 20.0) -> dict[str, float]:
+    """Scrape until `ready(samples)`: the door pushes the engine's metrics every METRICS_INTERVAL_S."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape(base)
+        if ready(samples):
+            return samples
+        assert time.monotonic() < deadline, f"/metrics not as expected after {timeout} s: {samples}"
+        time.sleep(0.2)
 
 
 def wait_kv_free(base: str, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        used, running = metric(base, "pagedcore_kv_cache_used_blocks"), metric(base, "pagedcore_num_requests_running")
+        used, running = metric(base, "pagedcore:kv_cache_used_blocks"), metric(base, "pagedcore:num_requests_running")
         if used == 0 and running == 0:
             return
         assert time.monotonic() < deadline, f"still {used} KV blocks used, {running} running after {timeout} s"
@@ -346,16 +370,40 @@ def test_native_generate_streams_the_greedy_chat_text(server, offline):
     assert bad.status_code == 400 and "temperature" in bad.text
 
 
-def test_health_endpoints_and_engine_gauges_in_metrics(server):
+def test_health_endpoints_and_every_engine_metric_in_metrics(server, client):
     for path in ("/healthz", "/livez", "/readyz"):
         assert httpx.get(server + path, timeout=10).status_code == 200
-    text = httpx.get(f"{server}/metrics", timeout=10).text
-    for name in ("pagedcore_kv_cache_usage_ratio", "pagedcore_kv_cache_used_blocks", "pagedcore_kv_cache_total_blocks",
-                 "pagedcore_num_requests_running", "pagedcore_num_requests_waiting", "pagedcore_preemptions_total",
-                 "pagedcore_generation_tokens_total"):
-        assert re.search(rf"^{name} ", text, re.M), name
-    assert metric(server, "pagedcore_kv_cache_total_blocks") == SETTINGS["num_kv_blocks"]
-    assert metric(server, "pagedcore_generation_tokens_total") > 0
+    client.chat.completions.create(model=MODEL, messages=user("Hi!"), temperature=0, max_tokens=4)
+    wait_for_metrics(server, lambda m: m["pagedcore:time_per_output_token_seconds_count"] > 0)
+    wait_kv_free(server)
+    m = scrape(server)
+    for spec in METRICS:  # the same names as the Triton door (tests/test_triton_server.py)
+        if spec.kind == "histogram":
+            assert m[f'{spec.name}_bucket{{le="+Inf"}}'] == m[f"{spec.name}_count"] > 0, spec.name
+            assert m[f"{spec.name}_sum"] > 0, spec.name
+        else:
+            assert spec.name in m, f"{spec.name} missing from /metrics"
+    assert m["pagedcore:kv_cache_total_blocks"] == SETTINGS["num_kv_blocks"]
+    assert m["pagedcore:kv_cache_usage_perc"] == 0 and m["pagedcore:num_requests_waiting"] == 0
+    assert m["pagedcore:generation_tokens_total"] > 0 and m["pagedcore:prompt_tokens_total"] > 0
+
+
+def test_metrics_count_one_request_exactly(server, client):
+    wait_kv_free(server)
+    before = scrape(server)
+    r = client.chat.completions.create(model=MODEL, messages=user(CHAT_PROMPTS[2]), temperature=0,
+                                       max_completion_tokens=12, extra_body={"ignore_eos": True})
+    e2e = "pagedcore:e2e_request_latency_seconds"
+    after = wait_for_metrics(server, lambda m: m[f"{e2e}_count"] > before[f"{e2e}_count"])
+    d = {name: after[name] - before[name] for name in before}
+    assert d["pagedcore:prompt_tokens_total"] == r.usage.prompt_tokens
+    assert d["pagedcore:generation_tokens_total"] == r.usage.completion_tokens == 12
+    ttft, tpot = "pagedcore:time_to_first_token_seconds", "pagedcore:time_per_output_token_seconds"
+    assert d[f"{ttft}_count"] == d[f"{tpot}_count"] == d[f"{e2e}_count"] == 1
+    assert 0 < d[f"{ttft}_sum"] < d[f"{e2e}_sum"] < 60
+    # TPOT x (tokens - 1) is the time from the first token to the last: end to end less TTFT.
+    assert d[f"{tpot}_sum"] * 11 == pytest.approx(d[f"{e2e}_sum"] - d[f"{ttft}_sum"], rel=1e-6)
+    assert d["pagedcore:num_preemptions_total"] == 0
 
 
 # ---- the CLI and the settings (no server needed) ---------------------------------------------------------

@@ -22,6 +22,7 @@ aio = pytest.importorskip("tritonclient.grpc.aio")
 pytest.importorskip("pytriton")
 
 from pagedcore.adapters.triton_launcher import TritonServer  # noqa: E402
+from pagedcore.metrics import METRICS  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -177,15 +178,31 @@ def stream_client(server):
 
 
 def engine_metrics(server: TritonServer) -> dict[str, float]:
+    """The engine's samples on the metrics port by name (histogram buckets as `name{le="..."}`), each
+    checked to carry the model's name as its `model_name` label."""
     text = requests.get(server.metrics_url, timeout=10).text
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(pagedcore_\w+)\{[^}]*\} (\S+)$", text, re.M)}
+    samples = {}
+    for m in re.finditer(r"^(pagedcore:\w+)\{([^}]*)\} (\S+)$", text, re.M):
+        name, labels, value = m.groups()
+        assert f'model_name="{MODEL}"' in labels, m.group(0)
+        le = re.search(r'le="([^"]+)"', labels)
+        samples[name + (f'{{le="{le.group(1)}"}}' if le else "")] = float(value)
+    return samples
 
 
 def wait_for_metric(server: TritonServer, name: str, value: float, timeout: float = 30.0) -> dict:
+    return wait_for_metrics(server, lambda m: m.get(name) == value, timeout, fail=False)
+
+
+def wait_for_metrics(server: TritonServer, ready, timeout: float = 30.0, fail: bool = True) -> dict:
+    """Scrape until `ready(samples)`: the model pushes the engine's metrics every METRICS_INTERVAL_S."""
     deadline = time.monotonic() + timeout
     while True:
         m = engine_metrics(server)
-        if m.get(name) == value or time.monotonic() > deadline:
+        if ready(m):
+            return m
+        if time.monotonic() > deadline:
+            assert not fail, f"/metrics not as expected after {timeout} s: {m}"
             return m
         time.sleep(0.2)
 
@@ -256,7 +273,7 @@ async def _stream(client, prompt: str, params: dict, cancel_after: int | None = 
 
 def test_32_concurrent_streams_some_cancelled_all_blocks_freed(server, prompts, offline):
     cases = [(i % len(prompts), MAX_TOKENS[i // len(prompts) % len(MAX_TOKENS)], i % 5 == 2) for i in range(32)]
-    tokens_before = engine_metrics(server)["pagedcore_generation_tokens_total"]
+    tokens_before = engine_metrics(server)["pagedcore:generation_tokens_total"]
 
     async def run_all():
         client = aio.InferenceServerClient(server.grpc_url)
@@ -277,34 +294,62 @@ def test_32_concurrent_streams_some_cancelled_all_blocks_freed(server, prompts, 
             assert res["finals"] == 1
             assert res["text"] == offline[(p, m)].text, f"prompt {p}, max_tokens {m}"
 
-    m = wait_for_metric(server, "pagedcore_kv_blocks_used", 0)
-    assert m["pagedcore_kv_blocks_used"] == 0, f"KV blocks still held after all streams ended: {m}"
-    assert m["pagedcore_num_requests_running"] == 0 and m["pagedcore_num_requests_waiting"] == 0
+    m = wait_for_metric(server, "pagedcore:kv_cache_used_blocks", 0)
+    assert m["pagedcore:kv_cache_used_blocks"] == 0, f"KV blocks still held after all streams ended: {m}"
+    assert m["pagedcore:num_requests_running"] == 0 and m["pagedcore:num_requests_waiting"] == 0
     # The cancelled requests (200 tokens each if left alone) were aborted long before their end.
     n_cancelled = sum(c for *_, c in cases)
     finished_tokens = sum(len(offline[(p, m)].token_ids) for p, m, c in cases if not c)
-    generated = m["pagedcore_generation_tokens_total"] - tokens_before
+    generated = m["pagedcore:generation_tokens_total"] - tokens_before
     assert finished_tokens <= generated < finished_tokens + n_cancelled * 100
 
 
 def test_http_client_disconnect_aborts_the_request(server, prompts):
-    tokens_before = engine_metrics(server)["pagedcore_generation_tokens_total"]
+    tokens_before = engine_metrics(server)["pagedcore:generation_tokens_total"]
     body = {"text_input": prompts[0], "stream": True, "sampling_parameters": json.dumps(greedy(300, ignore_eos=True))}
     with requests.post(f"http://{server.http_url}/v2/models/{MODEL}/generate_stream", json=body, stream=True,
                        timeout=TIMEOUT) as r:
         events = (line for line in r.iter_lines() if line.startswith(b"data: "))
         next(events), next(events)  # two tokens in, then hang up
-    m = wait_for_metric(server, "pagedcore_num_requests_running", 0)
-    assert m["pagedcore_num_requests_running"] == 0 and m["pagedcore_kv_blocks_used"] == 0, m
-    assert m["pagedcore_generation_tokens_total"] - tokens_before < 100, "the request ran on after the disconnect"
+    m = wait_for_metric(server, "pagedcore:num_requests_running", 0)
+    assert m["pagedcore:num_requests_running"] == 0 and m["pagedcore:kv_cache_used_blocks"] == 0, m
+    assert m["pagedcore:generation_tokens_total"] - tokens_before < 100, "the request ran on after the disconnect"
 
 
-def test_metrics_endpoint_shows_engine_gauges(server):
-    m = engine_metrics(server)
-    for name in ["pagedcore_num_requests_running", "pagedcore_num_requests_waiting", "pagedcore_kv_blocks_used",
-                 "pagedcore_kv_blocks_total", "pagedcore_generation_tokens_total", "pagedcore_num_preemptions_total"]:
-        assert name in m, f"{name} missing from /metrics"
-    assert m["pagedcore_kv_blocks_total"] == SETTINGS["num_kv_blocks"]
+def test_metrics_endpoint_shows_every_engine_metric(server, stream_client, prompts):
+    results, error = stream_client.generate(infer_inputs(prompts[4], greedy(4)))
+    assert error is None, error
+    m = wait_for_metrics(server, lambda m: m.get("pagedcore:time_per_output_token_seconds_count", 0) > 0
+                         and m.get("pagedcore:kv_cache_used_blocks") == 0)
+    for spec in METRICS:  # the same names as the BentoML door (tests/test_bentoml_service.py)
+        if spec.kind == "histogram":
+            assert m[f'{spec.name}_bucket{{le="+Inf"}}'] == m[f"{spec.name}_count"] > 0, spec.name
+            assert m[f"{spec.name}_sum"] > 0, spec.name
+        else:
+            assert spec.name in m, f"{spec.name} missing from /metrics"
+    assert m["pagedcore:kv_cache_total_blocks"] == SETTINGS["num_kv_blocks"]
+    assert m["pagedcore:kv_cache_usage_perc"] == 0 and m["pagedcore:num_requests_waiting"] == 0
+    assert m["pagedcore:generation_tokens_total"] > 0 and m["pagedcore:prompt_tokens_total"] > 0
+
+
+def test_metrics_count_one_request_exactly(server, stream_client, prompts):
+    wait_for_metric(server, "pagedcore:kv_cache_used_blocks", 0)
+    before = engine_metrics(server)
+    results, error = stream_client.generate(
+        infer_inputs(prompts[2], greedy(12, ignore_eos=True), return_num_input_tokens=True,
+                     return_num_output_tokens=True))
+    assert error is None, error
+    e2e = "pagedcore:e2e_request_latency_seconds"
+    after = wait_for_metrics(server, lambda m: m[f"{e2e}_count"] > before[f"{e2e}_count"])
+    d = {name: after[name] - before[name] for name in before}
+    assert d["pagedcore:prompt_tokens_total"] == int(results[0].as_numpy("num_input_tokens")[0])
+    assert d["pagedcore:generation_tokens_total"] == sum(int(r.as_numpy("num_output_tokens")[0]) for r in results) == 12
+    ttft, tpot = "pagedcore:time_to_first_token_seconds", "pagedcore:time_per_output_token_seconds"
+    assert d[f"{ttft}_count"] == d[f"{tpot}_count"] == d[f"{e2e}_count"] == 1
+    assert 0 < d[f"{ttft}_sum"] < d[f"{e2e}_sum"] < 60
+    # TPOT x (tokens - 1) is the time from the first token to the last: end to end less TTFT.
+    assert d[f"{tpot}_sum"] * 11 == pytest.approx(d[f"{e2e}_sum"] - d[f"{ttft}_sum"], rel=1e-6)
+    assert d["pagedcore:num_preemptions_total"] == 0
 
 
 # ---- bad input: an error for that request, and the instance keeps serving ----------------------------------
