@@ -209,11 +209,25 @@ def plan_ext_decode(metadata: AttentionMetadata) -> ExtDecodePlan | None:
                          torch.tensor([metadata.seq_lens_cpu[i] for i in decode], dtype=torch.int32))
 
 
-def _decode_ext(ext, out, query, k_cache, v_cache, plan: ExtDecodePlan, scale, sliding_window, softcap) -> None:
+def _ext_plan(metadata: AttentionMetadata, plans: dict | None) -> ExtDecodePlan | None:
+    """The step's decode plan, built by the first layer and kept in `plans` for the others."""
+    plan = plans.get("ext", False) if plans is not None else False
+    if plan is False:
+        plan = plan_ext_decode(metadata)
+        if plans is not None:
+            plans["ext"] = plan
+    return plan
+
+
+def _decode_ext(ext, out, query, k_cache, v_cache, plan: ExtDecodePlan, scale, sliding_window, softcap):
+    """Decode rows through the C++ kernel, into `out`'s rows; with `out` None, return its output."""
     window = sliding_window if sliding_window is not None and sliding_window > 0 else 0
     o = ext.paged_decode(query, plan.rows, k_cache, v_cache, plan.block_table, plan.seq_lens, scale, window,
                          softcap if softcap is not None and softcap > 0 else 0.0)
+    if out is None:
+        return o
     out.index_copy_(0, plan.rows, o.to(out.dtype))
+    return out
 
 
 def plan_decode_groups(metadata: AttentionMetadata, sliding_window: int | None) -> list[DecodePlan]:
@@ -248,19 +262,20 @@ def cpu_paged_attention(
     it reads K/V in place through the block table, with no gathered copy.
     `plans`: a dict kept for one step, so the decode plans are built by the first layer only.
     """
-    if out is None:
-        out = torch.zeros_like(query) if metadata.query_start_loc_cpu[-1] < query.shape[0] else torch.empty_like(query)
     qsl = metadata.query_start_loc_cpu
+    ext = cpu_ext.load() if use_ext and query.device.type == "cpu" and not use_sdpa else None
+    use_ext = ext is not None and query.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    if use_ext and out is None and 0 < len(qsl) - 1 == qsl[-1] == query.shape[0]:
+        # Every row a decode, none padding: the kernel's output is the whole result (no copy into `out`).
+        plan = _ext_plan(metadata, plans)
+        return _decode_ext(ext, None, query, k_cache, v_cache, plan, scale, sliding_window, softcap)
+    if out is None:
+        out = torch.zeros_like(query) if qsl[-1] < query.shape[0] else torch.empty_like(query)
     for i in range(len(metadata.seq_lens_cpu)):
         if qsl[i + 1] - qsl[i] > 1:
             _prefill_one(out, query, k_cache, v_cache, metadata, i, scale, sliding_window, softcap)
-    ext = cpu_ext.load() if use_ext and query.device.type == "cpu" and not use_sdpa else None
-    if ext is not None and query.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous():
-        plan = plans.get("ext", False) if plans is not None else False
-        if plan is False:
-            plan = plan_ext_decode(metadata)
-            if plans is not None:
-                plans["ext"] = plan
+    if use_ext:
+        plan = _ext_plan(metadata, plans)
         if plan is not None:
             _decode_ext(ext, out, query, k_cache, v_cache, plan, scale, sliding_window, softcap)
         return out

@@ -15,6 +15,9 @@ import importlib.util
 import logging
 import os
 import shutil
+import sys
+import threading
+import time
 from pathlib import Path
 
 logger = logging.getLogger("pagedcore")
@@ -28,6 +31,7 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 
 _module = None
 _tried = False
+_load_lock = threading.Lock()
 
 
 def _put_ninja_on_path() -> None:
@@ -81,12 +85,27 @@ def load():
     global _module, _tried
     if _tried:
         return _module
-    _tried = True
-    if os.environ.get("PAGEDCORE_CPU_EXT", "1") == "0":
-        return None
+    with _load_lock:  # a second engine starting in another thread waits for the build, not None
+        if _tried:
+            return _module
+        if os.environ.get("PAGEDCORE_CPU_EXT", "1") != "0":
+            _module = _load_or_build()
+        _tried = True
+    return _module
+
+
+def _load_or_build():
     try:
         name = _name()
-        _module = _import_built(name, _build_dir(name)) or _build(name, _build_dir(name))
+        module = _import_built(name, _build_dir(name))
+        if module is None:
+            # Printed, not logged at INFO: a first run otherwise sits silent for minutes.
+            print(f"[pagedcore] building the C++ CPU kernels into {_build_dir(name)} "
+                  "(once per machine and source version; 1-3 min on 2 cores)...", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            module = _build(name, _build_dir(name))
+            print(f"[pagedcore] C++ CPU kernels built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        return module
     except Exception as e:  # noqa: BLE001 -- any build failure means: use the torch path
         logger.warning("pagedcore: C++ CPU ops unavailable (%s); using the torch paths", e)
-    return _module
+        return None

@@ -150,3 +150,20 @@ def test_cpu_decode_kernel_output_rounding(kv_dtype):
         out = cpu_paged_attention(low, b.k_cache, b.v_cache, b.metadata, 0.125)
         out32 = cpu_paged_attention(low.float(), b.k_cache, b.v_cache, b.metadata, 0.125)
         assert torch.equal(out, out32.to(q_dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_write_kv_cache_matches_index_copy(ext, dtype):
+    """The C++ cache write puts each token's K/V exactly where index_copy_ puts it, and nowhere else."""
+    g = torch.Generator().manual_seed(0)
+    num_blocks, block_size, hkv, d, T = 7, 16, 3, 64, 21
+    caches = [torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype) for _ in range(2)]
+    key, value = (torch.randn(T, hkv, d, generator=g).to(dtype) for _ in range(2))
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:T]
+    want = [c.clone() for c in caches]
+    want[0].view(-1, hkv, d).index_copy_(0, slots, key)
+    want[1].view(-1, hkv, d).index_copy_(0, slots, value)
+    ext.write_kv_cache(key, value, caches[0], caches[1], slots)
+    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+    with pytest.raises(RuntimeError, match="out of range"):
+        ext.write_kv_cache(key, value, caches[0], caches[1], slots + num_blocks * block_size)

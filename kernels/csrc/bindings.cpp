@@ -6,6 +6,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(x + residual, rms_norm(x + residual))");
   m.def("rotary_embedding_", &rotary_embedding_, "rotate q and k in place (transformers' rotate_half RoPE)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("write_kv_cache", &write_kv_cache, "key/value [T, Hkv, D] into the paged caches at slot_mapping");
   m.def("argmax_logsumexp", &argmax_logsumexp, "per row: (argmax, logsumexp)");
   m.def("pack_linear_weight", &pack_linear_weight, "W [N, K] -> panels [ceil(N/16), K, 16], same dtype");
   m.def("packed_linear", &packed_linear, "x @ W^T (+ bias) over a packed weight; fp32 accumulation",

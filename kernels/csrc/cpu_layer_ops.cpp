@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstring>
 
 // No fused multiply-add where transformers rounds between the multiply and the add (fp32 path).
 #pragma GCC optimize("fp-contract=off")
@@ -124,4 +125,34 @@ torch::Tensor silu_and_mul(torch::Tensor gate, torch::Tensor up) {
                       g.stride(0), u.stride(0));
   });
   return out;
+}
+
+// k_cache/v_cache [num_blocks, block_size, Hkv, D] (contiguous) at flat slot slot_mapping[t] <- key/value[t]
+// (vLLM's reshape_and_cache). index_copy_ costs ~25 us a call in setup for a decode's few hundred
+// bytes; this is a memcpy per token. Slots < 0 (padding tokens) are skipped.
+void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+                    torch::Tensor slot_mapping) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
+              "key/value in the caches' dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1, "slot_mapping int64 [T]");
+  const int64_t T = slot_mapping.size(0);
+  const int64_t row = k_cache.size(2) * k_cache.size(3);
+  TORCH_CHECK(key.size(0) == T && value.size(0) == T && key.numel() == T * row && value.numel() == T * row,
+              "key/value [T, Hkv, D] matching the caches");
+  auto k = key.contiguous(), v = value.contiguous();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t bytes = row * k.element_size();
+  auto* kd = static_cast<char*>(k_cache.data_ptr());
+  auto* vd = static_cast<char*>(v_cache.data_ptr());
+  const auto* ks = static_cast<const char*>(k.data_ptr());
+  const auto* vs = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t s = slots[t];
+    if (s < 0) continue;
+    TORCH_CHECK(s < num_slots, "slot ", s, " out of range (", num_slots, " slots)");
+    std::memcpy(kd + s * bytes, ks + t * bytes, bytes);
+    std::memcpy(vd + s * bytes, vs + t * bytes, bytes);
+  }
 }

@@ -11,10 +11,15 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedcore.attention.backend import AttentionBackend, AttentionMetadata
+from pagedcore.kernels import cpu_ext
 from pagedcore.kernels.cpu_attention import cpu_paged_attention
 
 
 def write_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
+    ext = cpu_ext.load() if key.device.type == "cpu" else None
+    if ext is not None and k_cache.is_contiguous() and v_cache.is_contiguous():
+        ext.write_kv_cache(key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache, slot_mapping)
+        return
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
