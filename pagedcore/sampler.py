@@ -213,8 +213,28 @@ def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < threshold, _NEG_INF)
 
 
-def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Keep each row's smallest most-probable prefix with mass >= p; p >= 1: off."""
+# Candidates top-p looks at before sorting the whole vocabulary (see apply_top_p).
+TOP_P_CANDIDATES = 1024
+
+
+def apply_top_p(logits: torch.Tensor, p: torch.Tensor, candidates: int = TOP_P_CANDIDATES) -> torch.Tensor:
+    """Keep each row's smallest most-probable prefix with mass >= p; p >= 1: off.
+
+    The prefix almost always lies among a row's few hundred largest logits, and sorting all of a
+    49k vocabulary costs ~8 ms a row on a CPU core (B = 64: ~0.5 s a step, more than the forward).
+    So the `candidates` largest logits come first (one topk, ~15x cheaper); when, in every row, they
+    hold mass >= p (p < 1), the cut is among them and the result equals the full sort's. Otherwise
+    (flat distributions, p = 1 rows) the whole vocabulary is sorted."""
+    V = logits.shape[-1]
+    if candidates < V and bool((p < 1.0).all()):
+        top, order = logits.topk(candidates, dim=-1)
+        probs = (top - logits.logsumexp(dim=-1, keepdim=True)).exp()
+        cumsum = probs.cumsum(dim=-1)
+        if bool((cumsum[:, -1] >= p).all()):
+            mass_before = torch.cat([torch.zeros_like(cumsum[:, :1]), cumsum[:, :-1]], dim=-1)
+            drop_sorted = mass_before >= p.unsqueeze(1)
+            drop_sorted[:, 0] = False
+            return torch.full_like(logits, _NEG_INF).scatter_(1, order, top.masked_fill(drop_sorted, _NEG_INF))
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
     cumsum = probs.cumsum(dim=-1)

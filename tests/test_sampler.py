@@ -506,3 +506,16 @@ def test_greedy_nan_row_falls_back_to_torch_semantics():
     logits[1, 20] = float("nan")
     out = Sampler()(logits, build([SamplingParams(temperature=0.0)] * 3, 50))
     assert torch.equal(out.sampled_token_ids, logits.argmax(-1))  # torch.argmax picks the NaN
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 10.0])  # flat (fallback to the full sort) .. peaked
+def test_top_p_over_candidates_equals_full_sort(scale):
+    """Top-p over the largest logits first keeps exactly the tokens the full-vocabulary sort keeps."""
+    g = torch.Generator().manual_seed(int(scale * 10))
+    logits = torch.randn(16, 49152, generator=g) * scale
+    p = torch.rand(16, generator=g) * 0.98 + 0.01
+    fast = apply_top_p(logits, p)
+    full = apply_top_p(logits, p, candidates=logits.shape[-1])
+    assert torch.equal(fast.isinf(), full.isinf())
+    assert torch.equal(fast[~fast.isinf()], logits[~full.isinf()])
+    assert (~fast.isinf()).sum(-1).min() >= 1
