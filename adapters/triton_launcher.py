@@ -27,11 +27,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pagedcore.kernels.paths import cache_root
+
 SETTINGS_ENV = "PAGEDCORE_TRITON_SETTINGS"
 # The repository's top-level model_repository/ in a checkout; pagedcore/model_repository/ (package
 # data, the same files) in an installed wheel. Both sit beside this file's parent directory.
 DEFAULT_REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
-BACKEND_CACHE = Path(os.environ.get("PAGEDCORE_CACHE", Path.home() / ".cache" / "pagedcore")) / "triton_backends"
+BACKEND_CACHE = cache_root() / "triton_backends"
 
 
 def pytriton_dir() -> Path:

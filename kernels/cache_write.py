@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedcore.kernels import triton_utils  # noqa: F401 (picks the interpreter before the first @triton.jit)
+
 
 @triton.jit
 def _reshape_and_cache_kernel(

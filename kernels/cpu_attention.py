@@ -17,7 +17,7 @@ Decode math: matmuls in the cache's dtype with an fp32 softmax, GQA heads folded
 mask at query length 1, whose per-row overhead dominates. Decode plans (gather indices, masks) are
 built once per step and reused by every layer. Prefill rows use SDPA (causal, or with a mask for
 prefix hits and windows); softcap layers take an explicit fp32 matmul + softmax path. (Measured
-choices: see `python -m pagedcore.kernels.bench`.)
+choices: see `pagedcore bench attention`.)
 
 Cache slots past a sequence's length (the tail of its last block, padding blocks) may hold
 anything, NaN included (e.g. a `torch.empty` cache): they are zeroed in the gathered copy, since
@@ -72,7 +72,7 @@ def _attend(q, k, v, mask, scale, softcap, use_sdpa=True):
 
 
 @dataclass
-class DecodePlan:
+class DecodeGroupPlan:
     """One length bucket of decode rows, planned once per step and reused by every layer."""
 
     rows: torch.Tensor  # query rows of these sequences
@@ -84,7 +84,7 @@ class DecodePlan:
     hidden_by_head: torch.Tensor | None = None  # see _cross_head_hidden
 
 
-def plan_decode(metadata: AttentionMetadata, seqs: list[int], sliding_window: int | None) -> DecodePlan:
+def plan_decode_group(metadata: AttentionMetadata, seqs: list[int], sliding_window: int | None) -> DecodeGroupPlan:
     block_size = metadata.block_size
     n = len(seqs)
     device = metadata.block_table.device
@@ -105,11 +105,12 @@ def plan_decode(metadata: AttentionMetadata, seqs: list[int], sliding_window: in
     pad_slots = None if bool(valid.all()) else (~valid).view(-1).nonzero().squeeze(1)
     rows_list = [metadata.query_start_loc_cpu[i] for i in seqs]
     contiguous = rows_list == list(range(rows_list[0], rows_list[0] + n))
-    return DecodePlan(torch.tensor(rows_list, dtype=torch.long, device=device), rows_list[0] if contiguous else None,
-                      blocks, length, pad_slots, ~visible[:, None, None, :])
+    rows = torch.tensor(rows_list, dtype=torch.long, device=device)
+    return DecodeGroupPlan(rows, rows_list[0] if contiguous else None, blocks, length, pad_slots,
+                           ~visible[:, None, None, :])
 
 
-def _gather(cache: torch.Tensor, plan: DecodePlan, n: int, zero_padding: bool) -> torch.Tensor:
+def _gather(cache: torch.Tensor, plan: DecodeGroupPlan, n: int, zero_padding: bool) -> torch.Tensor:
     """Whole blocks of every sequence: [n, length, Hkv, D]. Values need their slots past the end zeroed
     (they may be NaN, and even a weight of 0 gives 0 * NaN = NaN); keys need not, since their scores
     are overwritten by the mask."""
@@ -120,7 +121,7 @@ def _gather(cache: torch.Tensor, plan: DecodePlan, n: int, zero_padding: bool) -
     return x.view(n, plan.length, num_kv_heads, head_dim)
 
 
-def _cross_head_hidden(plan: DecodePlan, num_q_heads: int, num_kv_heads: int) -> torch.Tensor:
+def _cross_head_hidden(plan: DecodeGroupPlan, num_q_heads: int, num_kv_heads: int) -> torch.Tensor:
     """bool [n, Hq, length * Hkv]: the scores `_decode_native` must hide -- keys of other KV heads
     (GQA) and the plan's hidden keys. Built once per plan (the first layer) and kept on it."""
     if plan.hidden_by_head is None:
@@ -149,7 +150,7 @@ def _decode_native(q, k, v, hidden_by_head, scale, softcap):
     return torch.bmm(p, v.view(n, length * hkv, d))
 
 
-def _decode_group(out, query, k_cache, v_cache, plan: DecodePlan, scale, softcap, use_sdpa):
+def _decode_group(out, query, k_cache, v_cache, plan: DecodeGroupPlan, scale, softcap, use_sdpa):
     n = plan.rows.numel()
     k, v = _gather(k_cache, plan, n, zero_padding=use_sdpa), _gather(v_cache, plan, n, zero_padding=True)
     q = query[plan.row_start : plan.row_start + n] if plan.row_start is not None else query.index_select(0, plan.rows)
@@ -230,7 +231,7 @@ def _decode_ext(ext, out, query, k_cache, v_cache, plan: ExtDecodePlan, scale, s
     return out
 
 
-def plan_decode_groups(metadata: AttentionMetadata, sliding_window: int | None) -> list[DecodePlan]:
+def plan_decode_groups(metadata: AttentionMetadata, sliding_window: int | None) -> list[DecodeGroupPlan]:
     qsl = metadata.query_start_loc_cpu
     decode = [i for i in range(len(metadata.seq_lens_cpu)) if qsl[i + 1] - qsl[i] == 1]
     if not decode:
@@ -238,7 +239,7 @@ def plan_decode_groups(metadata: AttentionMetadata, sliding_window: int | None) 
     eff_lens = metadata.seq_lens_cpu
     if sliding_window is not None and sliding_window > 0:
         eff_lens = [min(length, sliding_window) for length in eff_lens]
-    return [plan_decode(metadata, group, sliding_window) for group in _bucket_by_length(decode, eff_lens)]
+    return [plan_decode_group(metadata, group, sliding_window) for group in _bucket_by_length(decode, eff_lens)]
 
 
 def cpu_paged_attention(

@@ -20,6 +20,8 @@ import threading
 import time
 from pathlib import Path
 
+from pagedcore.kernels.paths import cache_root
+
 logger = logging.getLogger("pagedcore")
 
 CSRC = Path(__file__).parent / "csrc"
@@ -53,8 +55,7 @@ def _name() -> str:
 
 
 def _build_dir(name: str) -> Path:
-    root = Path(os.environ.get("PAGEDCORE_CACHE", Path.home() / ".cache" / "pagedcore"))
-    return root / "cpu_ops" / name
+    return cache_root() / "cpu_ops" / name
 
 
 def _import_built(name: str, build_dir: Path):

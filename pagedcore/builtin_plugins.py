@@ -16,7 +16,7 @@ def pagedcore_load_model(config):
 @hookimpl(trylast=True)
 def pagedcore_attention_backend(name, device):
     if name in (None, "triton") and device.type == "cuda" or name == "triton":
-        from pagedcore.kernels.triton_backend import TritonAttentionBackend
+        from pagedcore.kernels.triton_attention_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
     if name in (None, "torch"):

@@ -33,6 +33,7 @@ from torch._dynamo.utils import counters
 
 from pagedcore.attention import hf_glue
 from pagedcore.kernels import torch_ops
+from pagedcore.kernels.paths import cache_root
 
 logger = logging.getLogger("pagedcore")
 
@@ -87,8 +88,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
 
 
 def cache_dir() -> Path:
-    root = Path(os.environ.get("PAGEDCORE_CACHE", Path.home() / ".cache" / "pagedcore"))
-    return root / "inductor"
+    return cache_root() / "inductor"
 
 
 def use_cache_dir() -> str:

@@ -1,7 +1,7 @@
 """What the engine installs on a model it is given, and how to take all of it off again.
 
 The engine changes its model in place: paged attention (attention/hf_glue.py), fused RMSNorms
-(fused_ops.py), lean decoder layers (fast_layers.py), packed linears (packed_linear.py), int4
+(fused_norms.py), lean decoder layers (lean_layers.py), packed linears (packed_linear.py), int4
 linears (quantization.py). A model the engine loaded itself keeps them for good. A model lent to it
 (the hf adapter's `patch(model)`) must come back as it was: its owner calls `track(model)` before
 the engine is made and `restore(model)` when done. While a model is tracked, each install records

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from pagedcore import gc_paused
+from pagedcore.kernels.paths import cache_root
 
 logger = logging.getLogger("pagedcore")
 
@@ -55,10 +56,6 @@ def resolve_model_dir(model: str | None) -> Path:
             return gguf_to_hf_dir(ggufs[0])
     raise ModelNotFoundError(
         f"model {model!r} is not an HF directory (with config.json), a .gguf file, or 'bundled'")
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("PAGEDCORE_CACHE", Path.home() / ".cache" / "pagedcore"))
 
 
 def gguf_to_hf_dir(gguf: Path) -> Path:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedcore import fast_layers, fused_ops, packed_linear
+from pagedcore import fused_norms, lean_layers, packed_linear
 from pagedcore.attention import hf_glue
 from pagedcore.attention.backend import AttentionMetadata
 from pagedcore.config import EngineConfig
@@ -71,8 +71,8 @@ class ModelRunner:
         self.num_cpu_blocks = self._num_cpu_blocks()
         self.cpu_kv_caches = self._allocate_kv_cache(self.num_cpu_blocks, torch.device("cpu"))
         hf_glue.install(model)
-        fused_ops.install(model, device)
-        fast_layers.install(model, device)
+        fused_norms.install(model, device)
+        lean_layers.install(model, device)
         if config.pack_weights:
             logger.info("packed linears: %d", packed_linear.install(model, device))
         self.captured = None

@@ -55,5 +55,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    error: str | None = None  # set when the engine failed this request (others go on)
+    error: str | None = None  # not set by the engine: a failed step raises into every open stream (async_engine.py)
     extra: dict = field(default_factory=dict)

@@ -11,7 +11,7 @@ def make_plugin_manager(extra_plugins=()) -> pluggy.PluginManager:
     pm = pluggy.PluginManager("pagedcore")
     pm.add_hookspecs(hookspecs)
     pm.register(builtin_plugins, name="builtin")
-    # The entry point named "builtin" is our own; anything else is a third party's.
+    # Skips our own "builtin" entry point (registered just above); anything else is a third party's.
     pm.load_setuptools_entrypoints("pagedcore")
     for plugin in extra_plugins:
         pm.register(plugin)

@@ -38,7 +38,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per sampled token (0: only the sampled one)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Beam search (issue 4 wires it into the engine core).
+    # Beam search, run in the engine core (beam_search.py).
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False

@@ -17,7 +17,7 @@ from pagedcore.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    SWAPPED = "swapped"  # seam for swap preemption
+    SWAPPED = "swapped"  # preempted by swap: its KV blocks wait in the CPU pool
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import assert_greedy_equal, hf_greedy
-from pagedcore import LLM, SamplingParams, capture, fast_layers
+from pagedcore import LLM, SamplingParams, capture, lean_layers
 
 MAX_NEW = 10
 # 3 / 29 / 47 tokens together (a batch of 3 decoding; 47 > the 32-token budget: chunked prefill),
@@ -109,7 +109,7 @@ def test_compile_failure_warns_once_and_serves_eagerly(ext, tiny_model_dir, monk
     assert len(warnings) == 1 and "inductor exploded" in warnings[0].getMessage()
     assert llm.engine.runner.captured.failed
     # The eager installs are back: lean layers, and transformers' attention through hf_glue.
-    layers = [m for m in llm.engine.model.modules() if type(m).__name__ in fast_layers.SUPPORTED_LAYERS]
+    layers = [m for m in llm.engine.model.modules() if type(m).__name__ in lean_layers.SUPPORTED_LAYERS]
     assert layers and all("_lean_forward" in m.forward.__qualname__ for m in layers)
     assert llm.engine.model.config._attn_implementation == "pagedcore"
     eager = _generate(LLM(str(tiny_model_dir("llama")), **SETTINGS), BATCH)

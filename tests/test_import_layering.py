@@ -85,7 +85,7 @@ def test_the_triton_kernels_choose_the_interpreter_themselves():
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device: the Triton kernels compile, there is no interpreter to choose")
-    got = fresh("from pagedcore.kernels.triton_backend import TritonAttentionBackend\n"
+    got = fresh("from pagedcore.kernels.triton_attention_backend import TritonAttentionBackend\n"
                 "from pagedcore.kernels.decode_attention import _decode_partition_kernel as kernel\n"
                 "assert type(kernel).__name__ == 'InterpretedFunction', type(kernel)")
     assert got["TRITON_INTERPRET"] == "1"

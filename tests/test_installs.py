@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pagedcore import fast_layers, fused_ops, installs, packed_linear
+from pagedcore import fused_norms, installs, lean_layers, packed_linear
 from pagedcore.attention import hf_glue
 from pagedcore.kernels import cpu_ext
 from pagedcore.quantization import Int4Linear, quantize_int4
@@ -23,8 +23,8 @@ def install_everything(model, compile: bool = False) -> None:
     """What LLMEngine and its ModelRunner install, in their order."""
     quantize_int4(model, CPU)
     hf_glue.install(model)
-    fused_ops.install(model, CPU)
-    fast_layers.install(model, CPU)
+    fused_norms.install(model, CPU)
+    lean_layers.install(model, CPU)
     packed_linear.install(model, CPU)
     if compile:  # swaps the eager forwards for its own (compiling waits for the first step)
         from pagedcore.capture import CapturedForward

@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedcore.attention.backend import AttentionBackend
-from pagedcore.kernels import triton_backend
+from pagedcore.kernels import triton_attention_backend
 from pagedcore.kernels.reference import ref_copy_blocks, ref_paged_attention, ref_reshape_and_cache
 from pagedcore.kernels.testing import draw_batch_spec, make_paged_batch, rel_err, tolerance
-from pagedcore.kernels.triton_backend import TritonAttentionBackend, TritonAttentionMetadata
+from pagedcore.kernels.triton_attention_backend import TritonAttentionBackend, TritonAttentionMetadata
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -24,7 +24,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.fixture(autouse=True)
 def _poison_backend_output(monkeypatch):
     """The backend's output buffer starts as NaN: every row must be written (or zeroed if padding)."""
-    monkeypatch.setattr(triton_backend, "_new_output", lambda q: torch.full_like(q, float("nan")))
+    monkeypatch.setattr(triton_attention_backend, "_new_output", lambda q: torch.full_like(q, float("nan")))
 
 
 def _check_forward(b, backend, scale, window=None, softcap=None, dtype=torch.float32, layers=2):

@@ -147,7 +147,7 @@ def run(shapes: list[str], repeats: int, dtypes=(torch.float32, torch.bfloat16))
                     "cpu-paged-sdpa": lambda: cpu_paged_attention(q, kc, vc, md, scale, use_sdpa=True),
                 }
                 if device == "cuda":
-                    from pagedcore.kernels.triton_backend import TritonAttentionBackend
+                    from pagedcore.kernels.triton_attention_backend import TritonAttentionBackend
 
                     backend = TritonAttentionBackend()
                     tmd = backend.build_metadata(md)

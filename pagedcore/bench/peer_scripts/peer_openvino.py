@@ -24,6 +24,7 @@ MIN_BLOCK_SIZE = 16  # OpenVINO's KV block is 16 or 32 tokens: sizing by 16 is e
 
 
 def ir_cache_root() -> Path:
+    # pagedcore.kernels.paths.cache_root(), repeated: this script runs in the peer's venv, without pagedcore.
     return Path(os.environ.get("PAGEDCORE_CACHE", Path.home() / ".cache" / "pagedcore")) / "openvino"
 
 

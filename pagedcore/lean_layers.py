@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from pagedcore.attention import hf_glue
-from pagedcore.fused_ops import LLAMA_STYLE_RMSNORMS, patch_forwards
+from pagedcore.fused_norms import LLAMA_STYLE_RMSNORMS, patch_forwards
 
 # Decoder layer class -> how its attention module says which sliding window it uses.
 SUPPORTED_LAYERS: dict[str, Callable[[torch.nn.Module], int | None]] = {

@@ -15,7 +15,7 @@ def make_seq(i: int, prompt_len: int = 1) -> Sequence:
     return Sequence(i, f"r{i}", 0, list(range(prompt_len)), SamplingParams(), max_total_tokens=10_000)
 
 
-class BlockManagerMachine(RuleBasedStateMachine):
+class KVCacheManagerMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.block_size = 4
@@ -96,8 +96,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.kv.num_free_blocks == NUM_BLOCKS, "blocks leaked"
 
 
-TestBlockManager = BlockManagerMachine.TestCase
-TestBlockManager.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestKVCacheManager = KVCacheManagerMachine.TestCase
+TestKVCacheManager.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
 def test_copy_on_write_of_shared_partial_last_block():

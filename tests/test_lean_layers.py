@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedcore import LLM, SamplingParams, fast_layers
+from pagedcore import LLM, SamplingParams, lean_layers
 
 
 
@@ -16,9 +16,9 @@ PROMPTS = [[5 + i for i in range(n)] for n in (3, 29, 47)]
 def _generate(model_dir, dtype, monkeypatch, lean: bool):
     with monkeypatch.context() as m:
         if not lean:
-            m.setattr(fast_layers, "install", lambda model, device: 0)
+            m.setattr(lean_layers, "install", lambda model, device: 0)
         llm = LLM(str(model_dir), dtype=dtype, num_kv_blocks=64, block_size=16)
-    layers = [x for x in llm.engine.model.modules() if type(x).__name__ in fast_layers.SUPPORTED_LAYERS]
+    layers = [x for x in llm.engine.model.modules() if type(x).__name__ in lean_layers.SUPPORTED_LAYERS]
     patched = ["_lean_forward" in x.forward.__qualname__ for x in layers]
     assert layers and all(p == lean for p in patched)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, logprobs=3), use_tqdm=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedcore import fused_ops
+from pagedcore import fused_norms
 
 
 
@@ -19,7 +19,7 @@ def test_fused_rmsnorm_matches_transformers(ext, dtype, rows):
     torch.nn.init.normal_(norm.weight, 1.0, 0.3)
     x = (torch.randn(2, rows, 576) * 4).to(dtype)
     ref = norm(x)
-    fused_ops.install(torch.nn.Sequential(norm), torch.device("cpu"))
+    fused_norms.install(torch.nn.Sequential(norm), torch.device("cpu"))
     out = norm(x)
     assert out.dtype == dtype and out.shape == x.shape and not out.isnan().any()
     # Rounded to the model dtype at the same places as transformers; only the fp32 sum of squares runs
@@ -36,7 +36,7 @@ def test_fused_rmsnorm_falls_back_on_mixed_dtypes(ext):
     norm = LlamaRMSNorm(64)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     ref = norm(x)
-    assert fused_ops.install(norm, torch.device("cpu")) == 1
+    assert fused_norms.install(norm, torch.device("cpu")) == 1
     assert torch.equal(norm(x), ref)  # fp32 weight, bf16 input: transformers' own forward runs
 
 

@@ -1,4 +1,4 @@
-"""Fused CPU replacements for transformers' small per-layer ops, installed on the engine's model.
+"""A fused CPU RMSNorm in place of transformers', installed on the engine's model.
 
 transformers' Llama-style RMSNorm is ~8 aten ops (casts, pow, mean, rsqrt, muls); run 61 times per
 step, on a CPU their dispatch and extra passes over memory cost more than the math. The C++ kernel
