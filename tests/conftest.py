@@ -13,7 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Memory (issue 14.10): the suite peaked at ~12.6 GB. Two causes, neither a test's own need:
+# Memory (issue 14.10): the suite peaked at ~12.6 GB. Two causes here, neither a test's own need:
 # 1. An LLM/LLMEngine sits in reference cycles, so an engine a test made (weights + KV cache,
 #    ~1.2 GB for SmolLM2) outlives the test until a full gc happens to run; several piled up.
 #    `_release_engines` below runs gc.collect() after a test that grew the process by more than
@@ -22,6 +22,9 @@ if not torch.cuda.is_available():
 #    so later weight-sized tensors land in the heap/arenas and are never returned (~0.8 GB kept per
 #    engine built and dropped). A fixed 1 MB threshold keeps big tensors in mmap (returned on free),
 #    and malloc_trim(0) after a release gives back what the heaps hold free.
+# Not fixable here: test_bench_throughput's hf-cb peer (pagedcore/bench/peer_scripts/peer_hf_cb.py)
+# lets transformers' continuous batching size its KV cache from free RAM (~14 GB on a 24 GB box, the
+# suite's single largest process) until that script passes an explicit ContinuousBatchingConfig.
 RELEASE_AFTER_GROWTH = 256 << 20
 try:
     import ctypes
