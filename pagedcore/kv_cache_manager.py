@@ -1,8 +1,8 @@
 """KVCacheManager: per-sequence block tables over the BlockPool.
 
-allocate, fork (share every block), copy-on-write of a shared partial last block, free, prefix
-reuse (longest cached run of full blocks, identified by chained hashes), and swap to a second
-(CPU) pool.
+allocate, fork (share every block), copy-on-write of a shared partial last block, free, rewind
+(rejected draft tokens), prefix reuse (longest cached run of full blocks, identified by chained
+hashes), and swap to a second (CPU) pool.
 """
 
 from __future__ import annotations
@@ -97,6 +97,19 @@ class KVCacheManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_published_blocks = 0
+
+    def rewind(self, seq: Sequence, num_tokens: int) -> None:
+        """Forget the KV of the last `num_tokens` computed tokens (rejected draft tokens): blocks
+        left holding none of the kept tokens return to the pool."""
+        if not 0 <= num_tokens <= seq.num_computed_tokens:
+            raise ValueError(f"cannot rewind {num_tokens} of {seq.num_computed_tokens} computed tokens")
+        seq.num_computed_tokens -= num_tokens
+        keep = cdiv(seq.num_computed_tokens, self.block_size)
+        self.pool.free_blocks(reversed(seq.block_table[keep:]))
+        del seq.block_table[keep:]
+        num_full = seq.num_computed_tokens // self.block_size
+        del seq.block_hashes[num_full:]  # later ones may hash rejected tokens
+        seq.num_published_blocks = min(seq.num_published_blocks, num_full)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

@@ -1,4 +1,4 @@
-"""LLMEngine: add_request / step / abort. A step is schedule -> run -> sample -> postprocess."""
+"""LLMEngine: add_request / step / abort. A step is schedule -> execute -> sample -> update -> output."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pagedcore.outputs import OutputKind, RequestOutput
 from pagedcore.plugins import make_plugin_manager
 from pagedcore.sampler import Sampler, SamplingBatch
 from pagedcore.sampling_params import InvalidRequestError, SamplingParams
-from pagedcore.scheduler import Scheduler
+from pagedcore.scheduler import SampledOutput, Scheduler, SequenceSample
 from pagedcore.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger("pagedcore")
@@ -77,11 +77,12 @@ class LLMEngine:
         policy = hook.pagedcore_scheduling_policy(name=self.config.scheduling_policy)
         if policy is None:
             raise ValueError(f"unknown scheduling policy {self.config.scheduling_policy!r}")
-        self.scheduler = Scheduler(self.config, self.kv, policy, on_event=self._on_scheduler_event)
+        self.eos_token_ids = self._eos_token_ids()
+        self.scheduler = Scheduler(self.config, self.kv, policy, on_event=self._on_scheduler_event,
+                                   eos_token_ids=self.eos_token_ids)
         self.sampler = Sampler()
         self.logits_processors = [p for ps in hook.pagedcore_logits_processors(config=self.config) for p in ps]
         self.max_model_len = self.config.max_model_len or self.runner.shape.max_position_embeddings
-        self.eos_token_ids = self._eos_token_ids()
         self.requests: dict[str, RequestState] = {}
         self.output_processor = OutputProcessor(self.tokenizer)
         self._seq_counter = itertools.count()
@@ -184,18 +185,65 @@ class LLMEngine:
         if sched.is_empty:
             return []
         rows, logits = self.runner.execute(sched)
-        for seq, n in sched.scheduled:
-            seq.num_computed_tokens += n
-            self.kv.cache_full_blocks(seq)
-        sampled = [sched.scheduled[i][0] for i in rows]
-        sampled, logits, beam_rows = self._split_beams(sampled, logits)
-        sampled, logits = self._fork_samples(sampled, logits)
-        if sampled:
-            self._sample_and_append(sampled, logits)
-        beam_seqs = self._step_beams(beam_rows)
-        outputs = self._collect_outputs(sampled + beam_seqs)
-        self.pm.hook.pagedcore_step_end(stats=self.stats(sched.num_tokens, len(sampled), time.perf_counter() - t0))
+        sampled = self._sample([sched.scheduled[i][0] for i in rows], logits)
+        self.scheduler.update_from_output(sched, sampled)
+        outputs = self._collect_outputs(sampled)
+        self.total_generated_tokens += len(sampled.samples)
+        self.pm.hook.pagedcore_step_end(
+            stats=self.stats(sched.num_tokens, len(sampled.samples), time.perf_counter() - t0))
         return outputs
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SampledOutput:
+        """The next token of every sequence that reached its end: the sampler's for most, the
+        request's beam group's for beam search. Only decides; the scheduler applies it."""
+        out = SampledOutput()
+        is_beam = [self.requests[seq.request_id].beam is not None for seq in seqs]
+        beam_rows = [(seq, logits[i]) for i, seq in enumerate(seqs) if is_beam[i]]
+        if beam_rows:  # beams leave the sampler's batch
+            keep = [i for i, beam in enumerate(is_beam) if not beam]
+            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+            seqs = [seqs[i] for i in keep]
+        if seqs:
+            out.samples += self._sample_tokens(*self._with_forks(seqs, logits))
+        for group in self._ready_beam_groups(beam_rows):
+            self._step_beams(group, out)
+        return out
+
+    def _with_forks(self, seqs: list[Sequence], logits: torch.Tensor):
+        """When a request's prompt is done, its other samples join it: they sample from the same
+        logits, and the scheduler forks the prompt's blocks to them (ref counts; only the shared
+        partial block is copied, on write)."""
+        forks = []
+        for row, seq in enumerate(seqs):
+            state = self.requests[seq.request_id]
+            if state.pending_forks and seq.num_output_tokens == 0:
+                forks += [(row, seq, child) for child in state.pending_forks]
+                state.pending_forks = []
+        parents = [None] * len(seqs) + [parent for _, parent, _ in forks]
+        if forks:
+            rows = list(range(len(seqs))) + [row for row, _, _ in forks]
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        return seqs + [child for _, _, child in forks], logits, parents
+
+    @torch.inference_mode()  # logits are inference tensors; processors may edit them in place
+    def _sample_tokens(self, seqs: list[Sequence], logits: torch.Tensor, parents: list) -> list[SequenceSample]:
+        for proc in self.logits_processors:
+            logits = proc(logits, seqs)
+        batch = SamplingBatch.build(
+            [s.params for s in seqs], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
+            [s.generator for s in seqs], self.eos_token_ids, logits.shape[-1], logits.device)
+        out = self.sampler(logits, batch)
+        token_ids = out.sampled_token_ids.tolist()
+        token_logprobs = out.sampled_logprobs.tolist()
+        top_ids = out.topk_token_ids.tolist() if out.topk_token_ids is not None else None
+        top_lps = out.topk_logprobs.tolist() if out.topk_logprobs is not None else None
+        samples = []
+        for i, seq in enumerate(seqs):
+            k = seq.params.logprobs
+            top = None if seq.logprobs is None else [
+                self.output_processor.make_logprobs(token_ids[i], token_logprobs[i], top_ids[i][:k], top_lps[i][:k])]
+            samples.append(SequenceSample(seq, [token_ids[i]], [token_logprobs[i]], top, fork_of=parents[i]))
+        return samples
 
     # ---- beam search ---------------------------------------------------------------------------
     def _beam_group(self, params: SamplingParams, first: Sequence) -> BeamGroup:
@@ -207,116 +255,37 @@ class LLMEngine:
         return BeamGroup(width, params.n, eos, max_tokens, params.length_penalty, params.early_stopping,
                          beams=[first], scores=[0.0])
 
-    def _split_beams(self, sampled, logits):
-        """Beam-search sequences leave the sampler's batch; their logits go to their group."""
-        beam_rows = [(seq, i) for i, seq in enumerate(sampled) if self.requests[seq.request_id].beam is not None]
-        if not beam_rows:
-            return sampled, logits, []
-        keep = [i for i, seq in enumerate(sampled) if self.requests[seq.request_id].beam is None]
-        beams = [(seq, logits[i]) for seq, i in beam_rows]
-        return [sampled[i] for i in keep], logits[torch.tensor(keep, dtype=torch.long, device=logits.device)], beams
-
-    def _step_beams(self, beam_rows) -> list[Sequence]:
-        ready = []
+    def _ready_beam_groups(self, beam_rows) -> list[BeamGroup]:
+        """Beams hand their logits to their group; a group steps once every live beam has them."""
+        ready = {}
         for seq, row in beam_rows:
             group = self.requests[seq.request_id].beam
-            if group.add_logits(seq, row) and group not in ready:
-                ready.append(group)
-        touched = []
-        for group in ready:
-            state = self.requests[group.beams[0].request_id]
-            group.step(fork=lambda parent, st=state: self._fork_beam(st, parent),
-                       drop=lambda seq: self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED))
-            self.total_generated_tokens += len(group.beams)
-            if group.done:
-                for seq in group.beams:
-                    self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
-            state.seqs = list(group.beams)
-            touched.append(group.beams[0])
-        return touched
+            if group.add_logits(seq, row):
+                ready[seq.request_id] = group
+        return list(ready.values())
 
-    def _fork_beam(self, state: RequestState, parent: Sequence) -> Sequence:
-        child = Sequence(next(self._seq_counter), parent.request_id, parent.index, parent.prompt_token_ids,
-                         parent.params, parent.max_total_tokens, arrival_time=parent.arrival_time,
-                         token_ids=list(parent.token_ids))
-        self.kv.fork(parent, child)
-        self.scheduler.add_running(child)
-        return child
+    def _step_beams(self, group: BeamGroup, out: SampledOutput) -> None:
+        """BeamGroup.step appends its tokens itself; the beams it forks and drops are left to the
+        scheduler, through `out`."""
+        state = self.requests[group.beams[0].request_id]
+        parents = {}
 
-    def _fork_samples(self, sampled: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
-        """When a request's prompt is done, its other samples fork the prompt's blocks (ref counts;
-        only the shared partial block is copied, on write) and sample from the same logits."""
-        forks = []
-        for row, seq in enumerate(sampled):
-            state = self.requests[seq.request_id]
-            if state.pending_forks and seq.num_output_tokens == 0:
-                for child in state.pending_forks:
-                    self.kv.fork(seq, child)
-                    self.scheduler.add_running(child)
-                    forks.append((row, child))
-                state.pending_forks = []
-        if not forks:
-            return sampled, logits
-        rows = list(range(len(sampled))) + [row for row, _ in forks]
-        return sampled + [child for _, child in forks], logits[torch.tensor(rows, device=logits.device)]
+        def fork(parent: Sequence) -> Sequence:
+            child = Sequence(next(self._seq_counter), parent.request_id, parent.index, parent.prompt_token_ids,
+                             parent.params, parent.max_total_tokens, arrival_time=parent.arrival_time,
+                             token_ids=list(parent.token_ids))
+            parents[child.seq_id] = parent
+            return child
 
-    @torch.inference_mode()  # logits are inference tensors; processors may edit them in place
-    def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        for proc in self.logits_processors:
-            logits = proc(logits, seqs)
-        batch = SamplingBatch.build(
-            [s.params for s in seqs], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-            [s.generator for s in seqs], self.eos_token_ids, logits.shape[-1], logits.device)
-        out = self.sampler(logits, batch)
-        token_ids = out.sampled_token_ids.tolist()
-        token_logprobs = out.sampled_logprobs.tolist()
-        top_ids = out.topk_token_ids.tolist() if out.topk_token_ids is not None else None
-        top_lps = out.topk_logprobs.tolist() if out.topk_logprobs is not None else None
-        self.total_generated_tokens += len(seqs)
-        for i, seq in enumerate(seqs):
-            seq.append_token(token_ids[i], token_logprobs[i])
-            if seq.logprobs is not None:
-                k = seq.params.logprobs
-                seq.logprobs.append(self.output_processor.make_logprobs(
-                    token_ids[i], token_logprobs[i], top_ids[i][:k], top_lps[i][:k]))
-            self._check_stop(seq)
+        group.step(fork=fork, drop=lambda seq: out.finished.append((seq, SequenceStatus.FINISHED_ABORTED)))
+        out.samples += [SequenceSample(seq, [], [], fork_of=parents.get(seq.seq_id)) for seq in group.beams]
+        if group.done:
+            out.finished += [(seq, SequenceStatus.FINISHED_STOPPED) for seq in group.beams]
+        state.seqs = list(group.beams)
 
-    def _check_stop(self, seq: Sequence) -> None:
-        p = seq.params
-        token = seq.token_ids[-1]
-        can_stop = seq.num_output_tokens >= p.min_tokens
-        det = seq.detokenizer
-        if can_stop:
-            stop_str = det.update([token])
-        else:
-            # As in vLLM, stop strings count only once min_tokens are out: a match now must not
-            # cut the text (the detokenizer would also ignore every later token). The stop list
-            # stays set for streaming, which withholds a tail that may still become one.
-            stop, det.stop = det.stop, []
-            try:
-                stop_str = det.update([token])
-            finally:
-                det.stop = stop
-        status = None
-        if stop_str is not None and can_stop:
-            status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop_str
-        elif can_stop and not p.ignore_eos and token in self.eos_token_ids:
-            status = SequenceStatus.FINISHED_STOPPED
-        elif can_stop and token in p.stop_token_ids:
-            status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
-        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) \
-                or seq.num_tokens >= seq.max_total_tokens:
-            status = SequenceStatus.FINISHED_LENGTH
-        if status is not None:
-            seq.finished_time = time.monotonic()
-            self.scheduler.finish(seq, status)
-            self._event("finished", seq.request_id, seq.index,
-                        {"finish_reason": status.value, "num_output_tokens": seq.num_output_tokens,
-                         "num_preemptions": seq.num_preemptions})
-
-    def _collect_outputs(self, sampled: list[Sequence]) -> list[RequestOutput]:
+    def _collect_outputs(self, sampled: SampledOutput) -> list[RequestOutput]:
         outputs = []
-        for rid in dict.fromkeys(s.request_id for s in sampled):
+        for rid in dict.fromkeys(s.seq.request_id for s in sampled.samples):
             state = self.requests[rid]
             out = self.output_processor.make_output(state)
             if out is not None:
@@ -363,6 +332,8 @@ class LLMEngine:
             if state is not None and state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = time.monotonic()
         info = {"num_preemptions": seq.num_preemptions}
+        if kind == "finished":
+            info = {"finish_reason": seq.status.value, "num_output_tokens": seq.num_output_tokens, **info}
         if mode is not None:
             info["mode"] = mode
         self._event(kind, seq.request_id, seq.index, info)

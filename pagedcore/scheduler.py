@@ -5,13 +5,18 @@ step gives each running sequence, then swapped ones, then waiting ones, as many 
 tokens as the budget allows (long prompts are chunked across steps). When blocks run out the
 newest running sequence is preempted, by swap (its blocks move to the CPU pool) or by recompute
 (its blocks are dropped and it re-prefills later, reusing what the prefix cache still holds).
+
+After the step, `update_from_output` (vLLM v1's name) owns the rest of the life cycle: it advances
+`num_computed_tokens`, rolls back rejected draft tokens, appends the sampled tokens, publishes full
+blocks to the prefix cache, forks new samples (n > 1, beams) and finishes stopped sequences.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 from pagedcore.config import EngineConfig
 from pagedcore.kv_cache_manager import KVCacheManager
@@ -39,6 +44,34 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass
+class SequenceSample:
+    """One sequence's new tokens from one step (a row of vLLM v1's `sampled_token_ids`)."""
+
+    seq: Sequence
+    token_ids: list[int]  # usually one; empty when beam search appended its own
+    logprobs: list[float]  # of each token
+    top_logprobs: list[dict] | None = None  # per token, when the request asks for logprobs
+    # Speculative decoding: the sequence's last `num_draft_tokens` tokens were drafts, verified this
+    # step; `token_ids` are then the accepted drafts and the token after them (vLLM v1's convention).
+    num_draft_tokens: int = 0
+    fork_of: Sequence | None = None  # a new sample: it shares this sequence's blocks (n > 1, beams)
+
+    @property
+    def num_rejected(self) -> int:
+        """Drafts not accepted: every sampled token but the last is an accepted draft."""
+        return self.num_draft_tokens - (len(self.token_ids) - 1) if self.num_draft_tokens else 0
+
+
+@dataclass
+class SampledOutput:
+    """What sampling decided in one step; `Scheduler.update_from_output` applies it."""
+
+    samples: list[SequenceSample] = field(default_factory=list)
+    # ends decided by sampling itself (beam search drops beams and stops groups)
+    finished: list[tuple[Sequence, SequenceStatus]] = field(default_factory=list)
+
+
 class FCFSPolicy:
     """Waiting sequences in arrival order; preempted ones return to the front."""
 
@@ -53,9 +86,10 @@ class FCFSPolicy:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, policy=None,
-                 on_event: Callable[..., None] | None = None):
+                 on_event: Callable[..., None] | None = None, eos_token_ids: Iterable[int] = ()):
         self.config = config
         self.kv = kv
+        self.eos_token_ids = set(eos_token_ids)
         self.policy = policy or FCFSPolicy()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -166,6 +200,73 @@ class Scheduler:
             return False
         return mode == "swap" or seq.num_computed_tokens >= self.config.swap_min_tokens
 
+    # ---- after the step ---------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled: SampledOutput) -> None:
+        """Apply a step: computed tokens, rollback of rejected drafts, sampled tokens and their stops,
+        prefix-cache publishing, forks, and the ends that sampling decided."""
+        for seq, n in scheduler_output.scheduled:
+            seq.num_computed_tokens += n
+        stopped = []
+        for sample in sampled.samples:
+            if sample.num_draft_tokens:
+                self._rollback(sample)
+            status = self._append(sample)
+            if status is not None:
+                stopped.append((sample.seq, status))
+        # Publish before finishing (a finished prompt's blocks stay reusable) and after the
+        # rollback (a block holding rejected drafts must never be published).
+        for seq, _ in scheduler_output.scheduled:
+            self.kv.cache_full_blocks(seq)
+        for sample in sampled.samples:
+            if sample.fork_of is not None:
+                self.kv.fork(sample.fork_of, sample.seq)
+                self.add_running(sample.seq)
+        for seq, status in stopped:
+            self._stop(seq, status)
+        for seq, status in sampled.finished:
+            self.finish(seq, status)
+
+    def _rollback(self, sample: SequenceSample) -> None:
+        """Take the drafts out (the accepted ones come back with the sample) and rewind the KV of
+        the rejected ones."""
+        seq = sample.seq
+        self.kv.rewind(seq, sample.num_rejected)
+        del seq.token_ids[seq.num_tokens - sample.num_draft_tokens:]
+
+    def _append(self, sample: SequenceSample) -> SequenceStatus | None:
+        """Append the tokens one by one; a stop drops the ones after it."""
+        seq = sample.seq
+        for i, token in enumerate(sample.token_ids):
+            seq.append_token(token, sample.logprobs[i],
+                             sample.top_logprobs[i] if sample.top_logprobs is not None else None)
+            status = self._check_stop(seq)
+            if status is not None:
+                return status
+        return None
+
+    def _check_stop(self, seq: Sequence) -> SequenceStatus | None:
+        p = seq.params
+        token = seq.token_ids[-1]
+        can_stop = seq.num_output_tokens >= p.min_tokens
+        stop_str = _detokenize(seq, token, can_stop)
+        if stop_str is not None:
+            seq.stop_reason = stop_str
+            return SequenceStatus.FINISHED_STOPPED
+        if can_stop and not p.ignore_eos and token in self.eos_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if can_stop and token in p.stop_token_ids:
+            seq.stop_reason = token
+            return SequenceStatus.FINISHED_STOPPED
+        if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) \
+                or seq.num_tokens >= seq.max_total_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def _stop(self, seq: Sequence, status: SequenceStatus) -> None:
+        seq.finished_time = time.monotonic()
+        self.finish(seq, status)
+        self._on_event("finished", seq)
+
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Remove a sequence wherever it is and return its blocks."""
         if not status.finished:
@@ -179,3 +280,21 @@ class Scheduler:
         self.kv.free(seq)
         seq.status = status
         self._finished_seq_ids.append(seq.seq_id)
+
+
+def _detokenize(seq: Sequence, token: int, can_stop: bool) -> str | None:
+    """Feed the sequence's detokenizer; returns the stop string the token completed, if any."""
+    det = seq.detokenizer
+    if det is None:
+        return None
+    if can_stop:
+        return det.update([token])
+    # As in vLLM, stop strings count only once min_tokens are out: a match now must not cut the
+    # text (the detokenizer would also ignore every later token). The stop list stays set for
+    # streaming, which withholds a tail that may still become one.
+    stop, det.stop = det.stop, []
+    try:
+        det.update([token])
+    finally:
+        det.stop = stop
+    return None

@@ -81,8 +81,10 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status.finished
 
-    def append_token(self, token_id: int, logprob: float) -> None:
+    def append_token(self, token_id: int, logprob: float, top_logprobs: dict | None = None) -> None:
         self.token_ids.append(token_id)
         self.cumulative_logprob += logprob
+        if top_logprobs is not None:
+            self.logprobs.append(top_logprobs)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()

@@ -1,4 +1,6 @@
-"""Scheduler invariants under random add / step / abort / finish interleavings (no model needed)."""
+"""Scheduler invariants under random add / draft / step / abort interleavings, and the life cycle
+that `update_from_output` owns: sampled tokens, stops, forks, rollback of rejected drafts (no model
+needed)."""
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -7,30 +9,43 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from pagedcore.config import EngineConfig
 from pagedcore.kv_cache_manager import KVCacheManager, cdiv
 from pagedcore.sampling_params import SamplingParams
-from pagedcore.scheduler import Scheduler
+from pagedcore.scheduler import SampledOutput, Scheduler, SequenceSample
 from pagedcore.sequence import Sequence, SequenceStatus
 
 NUM_BLOCKS, BLOCK_SIZE = 16, 4
+TOKEN = 7  # what every fake step samples
 
 
-def make_scheduler(budget=24, max_seqs=4, chunked=True):
+def make_scheduler(budget=24, max_seqs=4, chunked=True, prefix_caching=False):
     cfg = EngineConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                        enable_chunked_prefill=chunked)
-    return Scheduler(cfg, KVCacheManager(NUM_BLOCKS, BLOCK_SIZE))
+    return Scheduler(cfg, KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=prefix_caching))
 
 
-def fake_step(sched: Scheduler, rng_token=7):
-    """What the engine does after the model runs: advance computed tokens, append a sample."""
+def fake_step(sched: Scheduler, drafts=None, num_accepted=lambda seq, k: k, forks=()):
+    """One engine step without a model. Every sequence whose chunk reaches its end samples TOKEN;
+    one whose last `drafts[seq_id]` tokens are drafts keeps the first `num_accepted` of them (the
+    verifier's answer) before it; `forks` are (parent, child) samples that join their parent."""
+    drafts = {} if drafts is None else drafts
     out = sched.schedule()
-    sampled = []
+    samples = []
     for seq, n in out.scheduled:
-        assert n >= 1
-        assert seq.num_computed_tokens + n <= seq.num_tokens
-        seq.num_computed_tokens += n
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(rng_token)
-            sampled.append(seq)
-    return out, sampled
+        assert n >= 1 and seq.num_computed_tokens + n <= seq.num_tokens
+        if seq.num_computed_tokens + n < seq.num_tokens:
+            continue  # a chunk of a longer prompt: nothing is sampled yet
+        k = drafts.pop(seq.seq_id, 0)
+        a = num_accepted(seq, k)
+        accepted = seq.token_ids[seq.num_tokens - k:][:a]
+        samples.append(SequenceSample(seq, accepted + [TOKEN], [0.0] * (a + 1), num_draft_tokens=k))
+    samples += [SequenceSample(child, [TOKEN], [0.0], fork_of=parent) for parent, child in forks]
+    sched.update_from_output(out, SampledOutput(samples))
+    return out, [s.seq for s in samples]
+
+
+def add_drafts(seq: Sequence, drafts: dict, draft_ids: list[int]) -> None:
+    """What a drafter would do: propose tokens after the last sampled one."""
+    seq.token_ids += draft_ids
+    drafts[seq.seq_id] = len(draft_ids)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -38,6 +53,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         super().__init__()
         self.sched = make_scheduler()
         self.live: list[Sequence] = []
+        self.drafts: dict[int, int] = {}  # seq_id -> its trailing draft tokens, not yet verified
         self.n = 0
 
     @rule(prompt_len=st.integers(1, 30), max_tokens=st.integers(1, 12))
@@ -48,9 +64,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.add(seq)
         self.live.append(seq)
 
-    @rule()
-    def step(self):
-        out, sampled = fake_step(self.sched)
+    def _draftable(self) -> list[Sequence]:
+        return [s for s in self.sched.running if s.seq_id not in self.drafts
+                and s.num_computed_tokens == s.num_tokens - 1 and s.num_tokens + 1 < s.max_total_tokens]
+
+    @precondition(lambda self: self._draftable())
+    @rule(data=st.data())
+    def draft(self, data):
+        seq = data.draw(st.sampled_from(self._draftable()))
+        k = data.draw(st.integers(1, min(5, seq.max_total_tokens - seq.num_tokens - 1)))
+        add_drafts(seq, self.drafts, [100 + i for i in range(k)])
+
+    @rule(data=st.data())
+    def step(self, data):
+        before = {s.seq_id: (list(s.token_ids), self.drafts.get(s.seq_id, 0)) for s in self.live}
+        out, sampled = fake_step(self.sched, self.drafts, lambda seq, k: data.draw(st.integers(0, k)))
         cfg = self.sched.config
         assert out.num_tokens <= cfg.max_num_batched_tokens
         assert len(self.sched.running) <= cfg.max_num_seqs
@@ -60,15 +88,22 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert seq.status is SequenceStatus.WAITING and seq.block_table == [] and seq.num_computed_tokens == 0
             assert seq not in [s for s, _ in out.scheduled]
         for seq in sampled:
-            if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= seq.max_total_tokens:
-                self.sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
-                self.live.remove(seq)
+            tokens, k = before[seq.seq_id]
+            kept = len(tokens) - k  # the drafts left; the accepted ones came back
+            assert seq.token_ids[:kept] == tokens[:kept] and seq.token_ids[-1] in (TOKEN, *tokens[kept:])
+            if not seq.is_finished:
+                assert seq.token_ids[-1] == TOKEN and seq.num_computed_tokens == seq.num_tokens - 1
+            else:
+                assert seq.status is SequenceStatus.FINISHED_LENGTH and seq.block_table == []
+                assert seq.num_output_tokens == seq.params.max_tokens or seq.num_tokens >= seq.max_total_tokens
+        self.live = [s for s in self.live if not s.is_finished]
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def abort(self, data):
         seq = data.draw(st.sampled_from(self.live))
         self.sched.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        self.drafts.pop(seq.seq_id, None)
         self.live.remove(seq)
 
     @invariant()
@@ -83,20 +118,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         pool = self.sched.kv.pool
         assert not set(owned) & set(pool.free_block_ids), "a block both free and owned"
         assert len(owned) + pool.num_free_blocks == NUM_BLOCKS
+        assert sorted(b for b, refs in enumerate(pool.ref_counts) if refs) == sorted(owned)
+        assert all(pool.ref_counts[b] == 1 for b in owned)
         for s in self.sched.waiting:
             assert s.block_table == [] or s.num_computed_tokens > 0
 
     @invariant()
-    def running_have_enough_blocks(self):
+    def running_hold_blocks_for_their_kv_and_no_more(self):
+        # No more: the blocks of rejected drafts went back to the pool.
         for s in self.sched.running:
-            assert len(s.block_table) >= cdiv(s.num_computed_tokens, BLOCK_SIZE)
+            assert len(s.block_table) == cdiv(s.num_computed_tokens, BLOCK_SIZE)
 
     def teardown(self):
         # Everything drains: no deadlock, and the pool is whole again.
         for _ in range(2000):
             if not self.sched.has_unfinished():
                 break
-            self.step()
+            fake_step(self.sched, self.drafts)
         assert not self.sched.has_unfinished(), "scheduler stopped making progress"
         assert self.sched.kv.num_free_blocks == NUM_BLOCKS
 
@@ -136,3 +174,99 @@ def test_preempts_newest_when_blocks_run_out():
     assert out.preempted and out.preempted[0] is seqs[3]
     assert sched.waiting[0] is seqs[3]
     assert sched.num_preemptions >= 1
+
+
+# ---- update_from_output: rollback of rejected draft tokens ------------------------------------
+def running_after_prefill(sched, prompt, max_tokens=50):
+    seq = Sequence(0, "r", 0, list(prompt), SamplingParams(max_tokens=max_tokens), NUM_BLOCKS * BLOCK_SIZE)
+    sched.add(seq)
+    fake_step(sched)
+    assert seq.num_computed_tokens == len(prompt) and seq.output_token_ids == [TOKEN]
+    return seq
+
+
+def test_rejected_drafts_rewind_the_kv_and_return_their_blocks_to_the_pool():
+    sched = make_scheduler()
+    pool = sched.kv.pool
+    seq = running_after_prefill(sched, range(6))  # 7 tokens, 6 computed: 2 blocks
+    drafts = {}
+    add_drafts(seq, drafts, [100, 101, 102, 103, 104])
+    fake_step(sched, drafts, num_accepted=lambda s, k: 1)  # 6 computed this step: 12 tokens, 3 blocks
+    # 1 of 5 drafts accepted, then the sampled token: the KV of 4 rejected drafts is gone.
+    assert seq.output_token_ids == [TOKEN, 100, TOKEN]
+    assert seq.num_computed_tokens == 8 == seq.num_tokens - 1
+    assert len(seq.block_table) == 2 and pool.num_free_blocks == NUM_BLOCKS - 2
+    assert [pool.ref_counts[b] for b in seq.block_table] == [1, 1]
+    assert sum(pool.ref_counts) == 2  # the third block's one reference was dropped
+    fake_step(sched)  # the next token goes where the rejected drafts were
+    assert seq.num_computed_tokens == 9 and len(seq.block_table) == 3
+
+
+def test_all_drafts_rejected_leaves_the_sequence_as_if_none_were_proposed():
+    sched = make_scheduler()
+    seq = running_after_prefill(sched, range(4))  # 5 tokens, 4 computed: 1 block
+    drafts = {}
+    add_drafts(seq, drafts, [100, 101, 102, 103, 104, 105])
+    fake_step(sched, drafts, num_accepted=lambda s, k: 0)
+    assert seq.output_token_ids == [TOKEN, TOKEN]
+    assert seq.num_computed_tokens == 5 and len(seq.block_table) == 2
+    assert sched.kv.num_free_blocks == NUM_BLOCKS - 2
+
+
+def test_rollback_of_a_forked_sequence_keeps_the_shared_blocks_shared():
+    sched = make_scheduler()
+    pool = sched.kv.pool
+    parent = Sequence(0, "r", 0, list(range(8)), SamplingParams(max_tokens=50), 64)
+    child = Sequence(1, "r", 1, list(range(8)), SamplingParams(max_tokens=50), 64)
+    sched.add(parent)
+    fake_step(sched, forks=[(parent, child)])  # the child shares the prompt's two full blocks
+    shared = list(parent.block_table)
+    assert child.block_table == shared and [pool.ref_counts[b] for b in shared] == [2, 2]
+    assert child in sched.running and child.output_token_ids == [TOKEN]
+    drafts = {}
+    add_drafts(parent, drafts, [100, 101, 102, 103, 104, 105])
+    fake_step(sched, drafts, num_accepted=lambda s, k: 0)
+    assert parent.block_table[:2] == shared and [pool.ref_counts[b] for b in shared] == [2, 2]
+    assert len(parent.block_table) == cdiv(parent.num_computed_tokens, BLOCK_SIZE) == 3
+    owned = parent.block_table + child.block_table[2:]
+    assert sorted(b for b, refs in enumerate(pool.ref_counts) if refs) == sorted(set(owned))
+    for seq in (parent, child):
+        sched.finish(seq, SequenceStatus.FINISHED_ABORTED)
+    assert pool.num_free_blocks == NUM_BLOCKS and not any(pool.ref_counts)
+
+
+def test_rejected_drafts_are_never_published_to_the_prefix_cache():
+    def cached_tokens_for(accept):
+        sched = make_scheduler(prefix_caching=True)
+        seq = running_after_prefill(sched, [1, 2, 3])  # [1, 2, 3, TOKEN]: one block once computed
+        drafts = {}
+        add_drafts(seq, drafts, [50, 51, 52, 53, 54])
+        fake_step(sched, drafts, num_accepted=lambda s, k: accept)
+        probe = Sequence(9, "probe", 0, [1, 2, 3, TOKEN, 50, 51, 52, 53, 60], SamplingParams(), 64)
+        return len(sched.kv.find_cached_prefix(probe)) * BLOCK_SIZE
+
+    assert cached_tokens_for(accept=5) == 8  # accepted drafts are real tokens: their block is reused
+    assert cached_tokens_for(accept=0) == 4  # rejected ones never reach the prefix cache
+
+
+def test_a_stop_among_accepted_drafts_drops_the_tokens_after_it():
+    sched = make_scheduler()
+    seq = running_after_prefill(sched, range(5), max_tokens=3)
+    drafts = {}
+    add_drafts(seq, drafts, [100, 101, 102, 103])
+    fake_step(sched, drafts)  # all accepted, but max_tokens ends the sequence at the second one
+    assert seq.status is SequenceStatus.FINISHED_LENGTH
+    assert seq.output_token_ids == [TOKEN, 100, 101]
+    assert sched.kv.num_free_blocks == NUM_BLOCKS and not sched.has_unfinished()
+
+
+def test_stop_token_among_drafts_finishes_with_its_reason():
+    sched = make_scheduler()
+    seq = Sequence(0, "r", 0, list(range(5)), SamplingParams(max_tokens=50, stop_token_ids=[101]), 64)
+    sched.add(seq)
+    fake_step(sched)
+    drafts = {}
+    add_drafts(seq, drafts, [100, 101, 102])
+    fake_step(sched, drafts)
+    assert seq.status is SequenceStatus.FINISHED_STOPPED and seq.stop_reason == 101
+    assert seq.output_token_ids == [TOKEN, 100, 101]
