@@ -22,11 +22,9 @@ One worker: the engine batches every request itself, so a second worker would on
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import os
-import types
 import typing
 from contextlib import aclosing
 from pathlib import Path
@@ -38,42 +36,20 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedcore.adapters.openai_api import OpenAIError, OpenAIServing
-from pagedcore.config import EngineConfig
 from pagedcore.metrics import METRICS, MetricsPublisher, Update
 from pagedcore.sampling_params import InvalidRequestError, SamplingParams
+from pagedcore.settings import ENV_PREFIX, settings_from_env
 
 logger = logging.getLogger("pagedcore")
 
-ENV_PREFIX = "PAGEDCORE_"
 METRICS_INTERVAL_S = 0.5
 
 
 # ---- settings ------------------------------------------------------------------------------------
 
-def _parse_setting(name: str, raw: str, hint) -> object:
-    kinds = [k for k in typing.get_args(hint) if k is not type(None)] if isinstance(hint, types.UnionType) else [hint]
-    if type(None) in typing.get_args(hint) and raw.lower() in ("none", "null"):
-        return None
-    kind = kinds[0]
-    try:
-        if kind is bool:
-            if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-                raise ValueError(raw)
-            return raw.lower() in ("1", "true", "yes", "on")
-        return kind(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {kind.__name__}") from None
-
-
 def engine_settings_from_env(environ: typing.Mapping[str, str] = os.environ) -> dict:
-    """EngineConfig keyword arguments from PAGEDCORE_<FIELD> variables (unset or empty: default)."""
-    hints = typing.get_type_hints(EngineConfig)
-    settings = {}
-    for f in dataclasses.fields(EngineConfig):
-        raw = environ.get(ENV_PREFIX + f.name.upper(), "")
-        if raw != "":
-            settings[f.name] = _parse_setting(f.name, raw, hints[f.name])
-    return settings
+    """EngineConfig keyword arguments from PAGEDCORE_<FIELD> variables (pagedcore/settings.py)."""
+    return settings_from_env(environ)
 
 
 def served_model_name(model: str | None, environ: typing.Mapping[str, str] = os.environ) -> str:

@@ -28,6 +28,7 @@ import urllib.request
 from pathlib import Path
 
 from pagedcore.kernels.paths import cache_root
+from pagedcore.settings import add_engine_arguments, settings_from_args
 
 SETTINGS_ENV = "PAGEDCORE_TRITON_SETTINGS"
 # The repository's top-level model_repository/ in a checkout; pagedcore/model_repository/ (package
@@ -184,6 +185,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="settings", type=_setting, action="append", default=[], metavar="KEY=VALUE",
                    help="override an engine setting of model.json (an EngineConfig field; VALUE is JSON), "
                         "e.g. --set num_kv_blocks=256 --set dtype=float32")
+    add_engine_arguments(p)  # the same engine flags as generate / serve-bentoml, over model.json too
 
 
 def _interrupt(signum, frame):
@@ -192,7 +194,7 @@ def _interrupt(signum, frame):
 
 def serve(args) -> int:
     server = TritonServer(args.model_repository, args.http_port, args.grpc_port, args.metrics_port,
-                          engine_settings=dict(args.settings) or None)
+                          engine_settings={**dict(args.settings), **settings_from_args(args)} or None)
     # SIGTERM unwinds like Ctrl-C: out of wait(), into stop() (never stop() inside the handler: it
     # would wait on the process that the interrupted wait() is already waiting on).
     signal.signal(signal.SIGTERM, _interrupt)

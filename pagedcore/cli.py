@@ -16,27 +16,15 @@ import time
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF directory, .gguf file, or omit for the bundled SmolLM2-135M-Instruct")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes (default: a fraction of free memory)")
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--attention-backend", default=None)
-    g.add_argument("--quantization", default=None, choices=["int4"],
-                   help="weight-only int4 linears on the CPU (faster single-stream decode; bf16-level differences)")
-    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="capture the model forward with torch.compile (compiles on the first step; eager if it "
-                        "fails); default: on for CUDA, off for CPU")
+    from pagedcore.settings import add_engine_arguments
+
+    add_engine_arguments(p)  # one flag per EngineConfig field, its comment as help
 
 
 def _engine_settings(args) -> dict:
-    return dict(model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=args.max_model_len, attention_backend=args.attention_backend,
-                quantization=args.quantization, compile=args.compile)
+    from pagedcore.settings import settings_from_args
+
+    return settings_from_args(args)
 
 
 def cmd_generate(args) -> int:
@@ -71,7 +59,7 @@ def cmd_generate(args) -> int:
                 print(f"### {prompt}\n{o.text}\n")
     print(f"[pagedcore] {len(prompts)} prompt(s), {n_tokens} tokens in {gen_s:.2f} s "
           f"({n_tokens / gen_s:.1f} tok/s); engine start {load_s:.2f} s; "
-          f"KV cache {llm.engine.kv.num_blocks} blocks = {llm.engine.kv.num_blocks * args.block_size} tokens",
+          f"KV cache {llm.engine.kv.num_blocks} blocks = {llm.engine.kv.num_blocks * llm.engine.config.block_size} tokens",
           file=sys.stderr)
     return 0
 
@@ -83,13 +71,9 @@ def cmd_serve_bentoml(args) -> int:
     """Exec `bentoml serve` on the pagedcore service; engine flags travel as PAGEDCORE_* variables
     (only those given, so variables already set keep their say)."""
     import os
-    from dataclasses import fields
 
-    from pagedcore.config import EngineConfig
-
-    defaults = {f.name: f.default for f in fields(EngineConfig)}
     env = dict(os.environ)
-    env.update({f"PAGEDCORE_{k.upper()}": str(v) for k, v in _engine_settings(args).items() if v != defaults[k]})
+    env.update({f"PAGEDCORE_{k.upper()}": str(v) for k, v in _engine_settings(args).items()})
     argv = [sys.executable, "-m", "bentoml", "serve", BENTOML_SERVICE, "--host", args.host, "--port", str(args.port)]
     os.execvpe(sys.executable, argv, env)
     return 0  # reached only when exec is stubbed out (tests)

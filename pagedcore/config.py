@@ -30,7 +30,6 @@ class EngineConfig:
     swap_min_tokens: int = 256  # "auto" swaps a victim with at least this many computed tokens
     attention_backend: str | None = None  # None: picked from the device through the hook
     scheduling_policy: str = "fcfs"
-    seed: int = 0
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
     quantization: str | None = None  # None | "int4": weight-only int4 linears (CPU; single-stream speed)
     pack_weights: bool = True  # CPU: linears run over weights packed once at load (pagedcore/packed_linear.py)
