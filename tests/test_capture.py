@@ -56,13 +56,14 @@ def captured_run(ext, tiny_model_dir, inductor_cache):
     graphs = counters["stats"]["unique_graphs"]
     llm = LLM(str(tiny_model_dir("llama")), compile=True, **SETTINGS)
     outs = _run_all(llm)
-    return llm, outs, counters["stats"]["unique_graphs"] - graphs
+    # The thread count it compiled for: inductor's CPU code (and its cache key) depend on it.
+    return llm, outs, counters["stats"]["unique_graphs"] - graphs, torch.get_num_threads()
 
 
 def test_captured_greedy_equals_eager_and_transformers(captured_run, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    llm, captured, new_graphs = captured_run
+    llm, captured, new_graphs, _ = captured_run
     assert not llm.engine.runner.captured.failed
     assert new_graphs == 1, "one graph for every token count and number of sampled rows"
     assert llm.engine.kv.num_prefix_hit_tokens >= 32, "the prefix-cache prompt did not hit"
@@ -121,7 +122,8 @@ FRESH_PROCESS = textwrap.dedent("""
     from torch._dynamo.utils import counters
     from pagedcore import LLM, SamplingParams
 
-    llm = LLM(sys.argv[1], compile=True, dtype="float32", num_kv_blocks=64, block_size=16, max_num_batched_tokens=32)
+    llm = LLM(sys.argv[1], compile=True, dtype="float32", num_kv_blocks=64, block_size=16, max_num_batched_tokens=32,
+              num_threads=int(sys.argv[2]))
     t0 = time.perf_counter()
     out = llm.generate([list(range(5, 25))], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     print(json.dumps({"seconds": time.perf_counter() - t0, "failed": llm.engine.runner.captured.failed,
@@ -130,7 +132,9 @@ FRESH_PROCESS = textwrap.dedent("""
 
 
 def test_fresh_process_reuses_inductor_artifacts(captured_run, tiny_model_dir, inductor_cache):
-    """A new process with the same PAGEDCORE_CACHE finds the graph this process compiled."""
+    """A new process with the same PAGEDCORE_CACHE (and thread count: earlier tests may leave this
+    process at 1 thread, and inductor's C++ kernels are generated for a thread count) finds the graph
+    this process compiled."""
     from pagedcore.kernels import cpu_ext
 
     # The C++ ops already built for this checkout, so the new process does not rebuild them.
@@ -140,7 +144,8 @@ def test_fresh_process_reuses_inductor_artifacts(captured_run, tiny_model_dir, i
         (inductor_cache / "cpu_ops" / name).symlink_to(cpu_ext._build_dir(name))
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     env["PAGEDCORE_CACHE"] = str(inductor_cache)
-    proc = subprocess.run([sys.executable, "-c", FRESH_PROCESS, str(tiny_model_dir("llama"))], env=env,
+    proc = subprocess.run([sys.executable, "-c", FRESH_PROCESS, str(tiny_model_dir("llama")),
+                           str(captured_run[3])], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
