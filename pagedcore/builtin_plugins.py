@@ -28,6 +28,6 @@ def pagedcore_attention_backend(name, device):
 
 @hookimpl(trylast=True)
 def pagedcore_scheduling_policy(name):
-    from pagedcore.scheduler import FCFSPolicy
+    from pagedcore.scheduling_policies import POLICIES
 
-    return FCFSPolicy() if name == "fcfs" else None
+    return POLICIES[name]() if name in POLICIES else None

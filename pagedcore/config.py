@@ -29,7 +29,7 @@ class EngineConfig:
     num_cpu_blocks: int | None = None  # overrides swap_space
     swap_min_tokens: int = 256  # "auto" swaps a victim with at least this many computed tokens
     attention_backend: str | None = None  # None: picked from the device through the hook
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (requests' priority: lower runs first) | a plugin's
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
     quantization: str | None = None  # None | "int4": weight-only int4 linears (CPU; single-stream speed)
     pack_weights: bool = True  # CPU: linears run over weights packed once at load (pagedcore/packed_linear.py)

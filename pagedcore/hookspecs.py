@@ -51,8 +51,10 @@ def pagedcore_logits_processors(config):
 
 @hookspec(firstresult=True)
 def pagedcore_scheduling_policy(name):
-    """Return the waiting-queue policy called `name` (e.g. "fcfs"): an object with
-    `add(waiting_deque, seq)` and `readd_preempted(waiting_deque, seq)`; None if unknown."""
+    """Return the waiting-queue policy called `name` (built in: "fcfs", "priority"): an object with
+    `add(waiting_deque, seq)` and `readd_preempted(waiting_deque, seq)`, optionally
+    `victim_index(running, first)` (which of `running[first:]` to preempt; default the last) and
+    `uses_priority` (whether requests may carry a priority); None if the name is not yours."""
 
 
 @hookspec

@@ -21,16 +21,26 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """One output per prompt, in prompt order. A prompt is a string or a list of token ids."""
+                 use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
+        """One output per prompt, in prompt order. A prompt is a string or a list of token ids;
+        `priority` (one per prompt) needs `scheduling_policy="priority"`."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         # Validate everything first: a bad prompt fails the call before any work is queued.
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
         processed = [self.engine.process_prompt(p, sp) for p, sp in zip(prompts, params)]
-        ids = [self.engine.add_request(None, p, output_kind=OutputKind.FINAL_ONLY) for p in processed]
+        ids = []
+        try:
+            for p, prio in zip(processed, priority):
+                ids.append(self.engine.add_request(None, p, output_kind=OutputKind.FINAL_ONLY, priority=prio))
+        except BaseException:
+            self.engine.abort_request(ids)  # a bad priority fails the call with nothing left queued
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(self, conversations: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -78,7 +79,7 @@ class LLMEngine:
         if policy is None:
             raise ValueError(f"unknown scheduling policy {self.config.scheduling_policy!r}")
         self.eos_token_ids = self._eos_token_ids()
-        self.scheduler = Scheduler(self.config, self.kv, policy, on_event=self._on_scheduler_event,
+        self.scheduler = Scheduler(self.config, self.kv, policy, on_event=_weak_method(self._on_scheduler_event),
                                    eos_token_ids=self.eos_token_ids)
         self.sampler = Sampler()
         self.logits_processors = [p for ps in hook.pagedcore_logits_processors(config=self.config) for p in ps]
@@ -128,11 +129,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | ProcessedPrompt,
                     params: SamplingParams | dict | None = None, *, output_kind: OutputKind = OutputKind.CUMULATIVE,
-                    priority: int = 0) -> str:
+                    priority: int = 0, cache_salt: str | None = None) -> str:
+        """Queue a request. `priority` orders admission under the "priority" scheduling policy (lower
+        first, vLLM's convention); `cache_salt` keeps its prompt's cached blocks apart from those of
+        requests with another salt (prefix reuse only within one tenant)."""
         p = prompt if isinstance(prompt, ProcessedPrompt) else self.process_prompt(prompt, params)
         request_id = str(next(self._request_counter)) if request_id is None else request_id
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        self._check_priority(priority)
         params = p.params
         if (params.best_of or params.n) > params.n or params.use_beam_search:
             output_kind = OutputKind.FINAL_ONLY  # the best n are known only at the end
@@ -141,7 +146,7 @@ class LLMEngine:
         for i in range(num_seqs):
             seq = Sequence(next(self._seq_counter), request_id, i, p.prompt_token_ids, params,
                            self.max_token_capacity(), arrival_time=state.metrics.arrival_time, priority=priority,
-                           generator=self._generator(params, i))
+                           generator=self._generator(params, i), cache_salt=cache_salt)
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, p.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
@@ -273,7 +278,7 @@ class LLMEngine:
         def fork(parent: Sequence) -> Sequence:
             child = Sequence(next(self._seq_counter), parent.request_id, parent.index, parent.prompt_token_ids,
                              parent.params, parent.max_total_tokens, arrival_time=parent.arrival_time,
-                             token_ids=list(parent.token_ids))
+                             priority=parent.priority, cache_salt=parent.cache_salt, token_ids=list(parent.token_ids))
             parents[child.seq_id] = parent
             return child
 
@@ -311,6 +316,14 @@ class LLMEngine:
         params.validate_vocab(self.vocab_size)
         return params
 
+    def _check_priority(self, priority) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}", "priority")
+        if priority and not getattr(self.scheduler.policy, "uses_priority", False):
+            raise InvalidRequestError(
+                f"priority {priority} given, but the scheduling policy {self.config.scheduling_policy!r} ignores "
+                "priorities (start the engine with scheduling_policy='priority')", "priority")
+
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.seed is None:
             return None
@@ -340,3 +353,15 @@ class LLMEngine:
 
     def _event(self, event: str, request_id: str, seq_index: int | None, info: dict) -> None:
         self.pm.hook.pagedcore_request_event(event=event, request_id=request_id, seq_index=seq_index, info=info)
+
+
+def _weak_method(method):
+    """A callback that does not keep its object alive (no engine <-> scheduler reference cycle:
+    a dropped engine frees its KV cache at once, not at the next full garbage collection)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args, **kwargs):
+        m = ref()
+        if m is not None:
+            m(*args, **kwargs)
+    return call

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class OutputKind(enum.Enum):
@@ -56,4 +56,3 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # not set by the engine: a failed step raises into every open stream (async_engine.py)
-    extra: dict = field(default_factory=dict)

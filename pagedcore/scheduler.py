@@ -20,6 +20,7 @@ from typing import Callable, Iterable
 
 from pagedcore.config import EngineConfig
 from pagedcore.kv_cache_manager import KVCacheManager
+from pagedcore.scheduling_policies import FCFSPolicy
 from pagedcore.sequence import Sequence, SequenceStatus
 
 
@@ -70,18 +71,6 @@ class SampledOutput:
     samples: list[SequenceSample] = field(default_factory=list)
     # ends decided by sampling itself (beam search drops beams and stops groups)
     finished: list[tuple[Sequence, SequenceStatus]] = field(default_factory=list)
-
-
-class FCFSPolicy:
-    """Waiting sequences in arrival order; preempted ones return to the front."""
-
-    name = "fcfs"
-
-    def add(self, waiting: deque[Sequence], seq: Sequence) -> None:
-        waiting.append(seq)
-
-    def readd_preempted(self, waiting: deque[Sequence], seq: Sequence) -> None:
-        waiting.appendleft(seq)
 
 
 class Scheduler:
@@ -135,7 +124,7 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_slots(seq, num_new):
-                victim = self.running.pop()  # the newest
+                victim = self.running.pop(self._victim_index(i))
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -174,6 +163,11 @@ class Scheduler:
         self.running.append(seq)
         out.scheduled.append((seq, num_new))
         self._on_event("scheduled", seq)
+
+    def _victim_index(self, first: int) -> int:
+        """Which running sequence to preempt; `running[:first]` are already scheduled this step."""
+        pick = getattr(self.policy, "victim_index", None)  # optional for plugin policies
+        return len(self.running) - 1 if pick is None else pick(self.running, first)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         seq.num_preemptions += 1

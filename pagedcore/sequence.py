@@ -46,7 +46,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # of full blocks of token_ids, chained
     num_published_blocks: int = 0  # full blocks already offered to the prefix cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
-    cache_salt: object = None  # anything besides token ids that changes the KV (e.g. an adapter id)
+    cache_salt: object = None  # hashed into its blocks: a request's salt (tenant), or anything else that changes the KV
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] | None = None
     num_preemptions: int = 0
