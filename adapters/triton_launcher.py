@@ -38,7 +38,10 @@ BACKEND_CACHE = cache_root() / "triton_backends"
 
 
 def pytriton_dir() -> Path:
-    import pytriton  # nvidia-pytriton: `pip install 'pagedcore[triton-server]'`
+    from pagedcore.extras import require
+
+    require("triton-server", "Triton Inference Server (its binary ships in nvidia-pytriton)")
+    import pytriton
 
     return Path(pytriton.__file__).resolve().parent / "tritonserver"
 

@@ -72,6 +72,9 @@ def cmd_serve_bentoml(args) -> int:
     (only those given, so variables already set keep their say)."""
     import os
 
+    from pagedcore.extras import require
+
+    require("bentoml", "pagedcore serve-bentoml")
     env = dict(os.environ)
     env.update({f"PAGEDCORE_{k.upper()}": str(v) for k, v in _engine_settings(args).items()})
     argv = [sys.executable, "-m", "bentoml", "serve", BENTOML_SERVICE, "--host", args.host, "--port", str(args.port)]
@@ -82,14 +85,17 @@ def cmd_serve_bentoml(args) -> int:
 def add_generate_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("prompt", nargs="*", help="prompt text (chat template applied for chat models)")
     g.add_argument("--prompts-file", help="one prompt per line")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("-n", type=int, default=1)
-    g.add_argument("--stop", action="append")
+    g.add_argument("--max-tokens", type=int, default=64, help="new tokens per output at most (default 64)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (the default) picks the most likely token; higher samples more freely")
+    g.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens whose "
+                   "probabilities add up to this (nucleus sampling; default 1: all)")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (default 0: all)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than this fraction of the most likely one (default 0)")
+    g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    g.add_argument("-n", type=int, default=1, help="outputs per prompt (default 1)")
+    g.add_argument("--stop", action="append", help="stop at this string (repeat for several)")
     g.add_argument("--no-chat", action="store_true", help="send prompts raw, without the chat template")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     _add_engine_args(g)

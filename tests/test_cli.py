@@ -115,3 +115,27 @@ def test_each_subcommand_brings_its_own_arguments(argv, words):
 def test_unknown_bench_command_is_an_argparse_error():
     r = cli("bench", "nosuch", timeout=120)
     assert r.returncode == 2 and "invalid choice" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("command,module,extra", [
+    ("serve-bentoml", "bentoml", "bentoml"),
+    ("serve-bentoml", "fastapi", "bentoml"),
+    ("serve-triton", "pytriton", "triton-server"),
+])
+def test_a_front_door_without_its_extra_names_the_install_in_one_line(command, module, extra):
+    # sys.modules[name] = None makes the module unimportable, as if the extra were not installed.
+    code = (f"import sys; sys.modules[{module!r}] = None; from pagedcore.cli import main; "
+            f"sys.exit(main([{command!r}]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"pip install 'pagedcore[{extra}]'" in lines[0] and module in lines[0]
+
+
+def test_generate_help_explains_every_sampling_flag():
+    r = cli("generate", "--help", timeout=60)
+    assert r.returncode == 0, r.stderr
+    for flag in ("--max-tokens", "--temperature", "--top-p", "--top-k", "--min-p", "--seed", "-n N", "--stop"):
+        block = r.stdout.split(flag, 1)[1].split("\n  -", 1)[0]  # the flag's lines up to the next flag
+        assert len(block.split()) >= 3, (flag, block)

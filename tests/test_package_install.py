@@ -231,3 +231,35 @@ def test_serve_bentoml_answers_the_openai_client(venv, outside, tiny_model_dir):
         assert r.choices[0].finish_reason == "length"
     finally:
         stop(proc, port)
+
+
+def test_bentoml_build_packs_the_wheel_and_the_bento_serves(wheel, venv, outside, tiny_model_dir):
+    """The BentoML way (examples/bentoml): `bentoml build` with the example's bentofile.yaml and the
+    wheel it names, then `bentoml serve pagedcore:latest` answers the openai client."""
+    project = outside / "bento-project"
+    shutil.copytree(ROOT / "examples" / "bentoml", project)
+    (project / "wheels").mkdir()
+    shutil.copy(wheel, project / "wheels")  # the name bentofile.yaml expects: a version bump must update it
+    home = outside / "bentoml-home"
+    env = user_env(venv, BENTOML_HOME=str(home), BENTOML_DO_NOT_TRACK="True")
+    run([venv / "bin" / "python", "-m", "bentoml", "build"], cwd=project, env=env)
+    (bento,) = [p for p in (home / "bentos" / "pagedcore").iterdir() if p.name != "latest"]
+    assert (bento / "env" / "python" / "wheels" / wheel.name).is_file()
+    assert (bento / "src" / "service.py").is_file()
+    (port,) = free_ports(1)
+    log = outside / "bento-serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([venv / "bin" / "python", "-m", "bentoml", "serve", "pagedcore:latest", "--host",
+                                 "127.0.0.1", "--port", str(port)], cwd=outside, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                env={**env, **{f"PAGEDCORE_{k.upper()}": str(v) for k, v in ENGINE.items()},
+                                     "PAGEDCORE_MODEL": str(tiny_model_dir("llama"))})
+    try:
+        wait_ready(proc, f"http://127.0.0.1:{port}/readyz", log)
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+            (model,) = [m.id for m in c.models.list().data]
+            r = c.completions.create(model=model, prompt="Hello, Bento", max_tokens=MAX_TOKENS, temperature=0,
+                                     extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == MAX_TOKENS
+    finally:
+        stop(proc, port)
