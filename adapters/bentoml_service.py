@@ -88,14 +88,7 @@ class PrometheusMetrics:
                                           on_error=lambda e: logger.exception("updating engine metrics failed"))
 
     def push(self, update: Update) -> None:
-        metric = self.metrics[update.spec.name]
-        if update.spec.kind == "gauge":
-            metric.set(update.value)
-        elif update.spec.kind == "counter":
-            metric.inc(update.value)
-        else:
-            for _ in range(update.times):
-                metric.observe(update.value)
+        update.apply(self.metrics[update.spec.name])
 
     def stop(self) -> None:
         self.publisher.stop()

@@ -154,14 +154,7 @@ class TritonMetrics:
             on_error=lambda e: pb_utils.Logger.log_warn(f"pagedcore metrics update failed: {e}"))
 
     def push(self, update: Update) -> None:
-        metric = self.metrics[update.spec.name]
-        if update.spec.kind == "gauge":
-            metric.set(update.value)
-        elif update.spec.kind == "counter":
-            metric.increment(update.value)
-        else:
-            for _ in range(update.times):
-                metric.observe(update.value)
+        update.apply(self.metrics[update.spec.name], increment="increment")
 
     def close(self) -> None:
         self.publisher.stop()

@@ -168,6 +168,17 @@ class Update:
     value: float
     times: int = 1
 
+    def apply(self, metric, increment: str = "inc") -> None:
+        """Push to a door's metric object: `set` / `observe` as both doors' libraries name them, and
+        the counter's increment method (`inc` in prometheus_client, `increment` in Triton's)."""
+        if self.spec.kind == "gauge":
+            metric.set(self.value)
+        elif self.spec.kind == "counter":
+            getattr(metric, increment)(self.value)
+        else:
+            for _ in range(self.times):
+                metric.observe(self.value)
+
 
 # ---- the snapshot ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
