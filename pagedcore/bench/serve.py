@@ -47,6 +47,7 @@ class Server:
     url: str  # what the client connects to
     ready_url: str  # HTTP 200 once the model is loaded
     log_path: Path
+    metrics_url: str = ""  # Prometheus text: the engine's pagedcore:* metrics
 
 
 def free_ports(n: int) -> list[int]:
@@ -68,7 +69,7 @@ def launch_bentoml(settings: dict, workdir: Path) -> Server:
            "TOKENIZERS_PARALLELISM": "false", **{f"PAGEDCORE_{k.upper()}": str(v) for k, v in settings.items()}}
     cmd = [*PAGEDCORE, "serve-bentoml", "--host", "127.0.0.1", "--port", str(port)]
     base = f"http://127.0.0.1:{port}"
-    return Server(_spawn(cmd, env, workdir), base, f"{base}/readyz", workdir / "server.log")
+    return Server(_spawn(cmd, env, workdir), base, f"{base}/readyz", workdir / "server.log", f"{base}/metrics")
 
 
 def launch_triton(settings: dict, workdir: Path) -> Server:
@@ -79,7 +80,7 @@ def launch_triton(settings: dict, workdir: Path) -> Server:
            "--metrics-port", str(metrics), *(f"--set={k}={json.dumps(v)}" for k, v in settings.items())]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     return Server(_spawn(cmd, env, workdir), f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}/v2/health/ready",
-                  workdir / "server.log")
+                  workdir / "server.log", f"http://127.0.0.1:{metrics}/metrics")
 
 
 LAUNCHERS = {"bentoml": launch_bentoml, "triton": launch_triton}
@@ -146,6 +147,17 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
+def descendants_rss(pid: int) -> int:
+    """Resident bytes of a process and everything below it (a server and its workers)."""
+    total = 0
+    for p in {pid, *_descendants(pid)}:
+        try:
+            total += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
 def _alive(pid: int) -> bool:
     """Running (a zombie, waiting for a parent that may never reap it, counts as gone)."""
     try:
@@ -176,14 +188,21 @@ def start(frontend: str, settings: dict, workdir: Path, timeout: float, attempts
 
 
 @contextmanager
-def serving(frontend: str, settings: dict, startup_timeout: float):
-    """A launched front door's client URL; the server is stopped on the way out, whatever happens."""
+def serving_server(frontend: str, settings: dict, startup_timeout: float):
+    """A launched, ready front door; stopped on the way out, whatever happens."""
     with tempfile.TemporaryDirectory(prefix=f"pagedcore-bench-{frontend}-") as tmp:
         server = start(frontend, settings, Path(tmp), startup_timeout)
         try:
-            yield server.url
+            yield server
         finally:
             stop(server.process)
+
+
+@contextmanager
+def serving(frontend: str, settings: dict, startup_timeout: float):
+    """A launched front door's client URL (see serving_server)."""
+    with serving_server(frontend, settings, startup_timeout) as server:
+        yield server.url
 
 
 # ---- metrics ----------------------------------------------------------------------------------------------
