@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedcore.adapters.openai_api import OpenAIError, OpenAIServing
+from pagedcore.adapters.openai_schema import openapi_document
 from pagedcore.metrics import METRICS, MetricsPublisher, Update
 from pagedcore.sampling_params import InvalidRequestError, SamplingParams
 from pagedcore.settings import ENV_PREFIX, settings_from_env
@@ -97,6 +98,7 @@ class PrometheusMetrics:
 # ---- the HTTP app ------------------------------------------------------------------------------------
 
 app = FastAPI(title="pagedcore OpenAI-compatible API")
+app.openapi = openapi_document  # /v1/openapi.json: the bodies are parsed by hand, so written out by hand
 
 
 def _error(e: OpenAIError) -> JSONResponse:

@@ -1,0 +1,107 @@
+"""The OpenAPI 3 document of the OpenAI routes (served at /v1/openapi.json by the BentoML door).
+
+The routes parse their JSON bodies themselves (openai_api.py), so FastAPI cannot infer this: it is
+written out here, field for field as openai_api.py accepts them, with OpenAI's own ranges. Clients
+and fuzzers (tests/test_fuzz_openai.py, schemathesis) read it; the server does not validate with it.
+"""
+
+from __future__ import annotations
+
+
+def _nullable(schema: dict) -> dict:
+    return {**schema, "nullable": True}
+
+
+_INT = {"type": "integer"}
+_NUM = {"type": "number"}
+_BOOL = {"type": "boolean"}
+_STR = {"type": "string"}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+
+_SAMPLING = {
+    "model": _STR,
+    "stream": _nullable(_BOOL),
+    "stream_options": _nullable({"type": "object", "properties": {"include_usage": _BOOL},
+                                 "additionalProperties": False}),
+    "n": _nullable({**_INT, "minimum": 1, "maximum": 128}),
+    "temperature": _nullable({**_NUM, "minimum": 0, "maximum": 2}),
+    "top_p": _nullable({**_NUM, "minimum": 0, "exclusiveMinimum": True, "maximum": 1}),
+    "presence_penalty": _nullable({**_NUM, "minimum": -2, "maximum": 2}),
+    "frequency_penalty": _nullable({**_NUM, "minimum": -2, "maximum": 2}),
+    "seed": _nullable(_INT),
+    "max_tokens": _nullable({**_INT, "minimum": 1}),
+    "stop": _nullable({"oneOf": [{**_STR, "minLength": 1},
+                                 {"type": "array", "items": {**_STR, "minLength": 1}, "maxItems": 4}]}),
+    "user": _STR,
+    # engine extras (vLLM's names; openai_api.ENGINE_EXTRAS): the common ones, any SamplingParams field is accepted
+    "top_k": _nullable({**_INT, "minimum": -1}),
+    "min_p": _nullable({**_NUM, "minimum": 0, "maximum": 1}),
+    "repetition_penalty": _nullable({**_NUM, "exclusiveMinimum": True, "minimum": 0}),
+    "min_tokens": _nullable({**_INT, "minimum": 0}),
+    "ignore_eos": _nullable(_BOOL),
+    "stop_token_ids": _nullable({"type": "array", "items": {**_INT, "minimum": 0}}),
+}
+
+_COMPLETION = {
+    "type": "object", "required": ["model", "prompt"], "additionalProperties": False,
+    "properties": {
+        **_SAMPLING,
+        "prompt": {"oneOf": [{**_STR, "minLength": 1}, _TOKEN_IDS,
+                             {"type": "array", "minItems": 1, "items": {"oneOf": [{**_STR, "minLength": 1}, _TOKEN_IDS]}}]},
+        "logprobs": _nullable({**_INT, "minimum": 0, "maximum": 5}),
+        "best_of": _nullable({**_INT, "minimum": 1}),
+    },
+}
+
+_MESSAGE = {
+    "type": "object", "required": ["role", "content"],
+    "properties": {"role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
+                   "content": {"oneOf": [_STR, {"type": "array", "items": {
+                       "type": "object", "required": ["type", "text"],
+                       "properties": {"type": {"type": "string", "enum": ["text"]}, "text": _STR}}}]},
+                   "name": _STR},
+}
+
+_CHAT = {
+    "type": "object", "required": ["model", "messages"], "additionalProperties": False,
+    "properties": {
+        **_SAMPLING,
+        "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
+        "max_completion_tokens": _nullable({**_INT, "minimum": 1}),
+        "logprobs": _nullable(_BOOL),
+        "top_logprobs": _nullable({**_INT, "minimum": 0, "maximum": 20}),
+    },
+}
+
+_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type"],
+    "properties": {"message": {**_STR, "minLength": 1}, "type": _STR, "param": _nullable(_STR),
+                   "code": _nullable(_STR)}}}}
+
+
+def _responses(ok: str) -> dict:
+    error = {"content": {"application/json": {"schema": _ERROR}}}
+    return {"200": {"description": ok},
+            "400": {"description": "invalid request (the message names the field)", **error},
+            "404": {"description": "unknown model", **error},
+            "429": {"description": "overloaded: retry after the Retry-After header's seconds", **error},
+            "503": {"description": "not ready or shutting down", **error}}
+
+
+def _post(summary: str, body: dict) -> dict:
+    return {"post": {"summary": summary, "requestBody": {"required": True,
+                                                          "content": {"application/json": {"schema": body}}},
+                     "responses": _responses("the completion, or an SSE stream of chunks when stream is true")}}
+
+
+def openapi_document() -> dict:
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "pagedcore OpenAI-compatible API", "version": "1"},
+        "servers": [{"url": "/v1"}],  # where the door mounts the routes
+        "paths": {
+            "/models": {"get": {"summary": "the served model", "responses": {"200": {"description": "models"}}}},
+            "/completions": _post("text completion", _COMPLETION),
+            "/chat/completions": _post("chat completion", _CHAT),
+        },
+    }
