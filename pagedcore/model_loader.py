@@ -94,7 +94,12 @@ def load_model_and_tokenizer(model: str | None, dtype: torch.dtype, device: torc
     with gc_paused():  # the first load imports most of transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from pagedcore import compressed_tensors
+
         tok = AutoTokenizer.from_pretrained(str(tok_dir))
-        hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+        if compressed_tensors.quantization_config(model_dir) is not None:
+            hf_model = compressed_tensors.load(model_dir, dtype)  # kept quantized
+        else:
+            hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     hf_model.to(device).eval()
     return hf_model, tok

@@ -24,15 +24,30 @@ GROUP_SIZE = 32
 
 class Int4Linear(nn.Module):
     def __init__(self, linear: nn.Linear, dtype: torch.dtype, group_size: int = GROUP_SIZE):
+        """Round `linear`'s weight to 4 bits per group (min/max, asymmetric)."""
         super().__init__()
         n, k = linear.weight.shape
-        self.in_features, self.out_features, self.group_size = k, n, group_size
         w = linear.weight.detach().float().view(n, k // group_size, group_size)
         lo, hi = w.amin(-1), w.amax(-1)
         scale = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny)
         q = ((w - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
-        self.ext = cpu_ext.load() if linear.weight.device.type == "cpu" else None
+        self._pack(q, scale, lo, linear.bias, dtype, group_size, linear.weight.device)
+
+    @classmethod
+    def from_codes(cls, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bias: torch.Tensor | None,
+                   dtype: torch.dtype, group_size: int) -> "Int4Linear":
+        """A checkpoint's own 4-bit grid, kept exactly: w = q * scale + lo, q in 0..15 [N, K], scale
+        and lo [N, K / group_size] (fp32)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._pack(q.to(torch.int32), scale.float(), lo.float(), bias, dtype, group_size, q.device)
+        return self
+
+    def _pack(self, q, scale, lo, bias, dtype, group_size, device) -> None:
+        n, k = q.shape
+        self.in_features, self.out_features, self.group_size = k, n, group_size
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        self.ext = cpu_ext.load() if device.type == "cpu" else None
         if self.ext is not None:
             # pagedcore's kernel: w = q * scale + min with fp32 scale and min (the GGUF grid exactly).
             packed, scale_min = self.ext.pack_int4_weight(q.to(torch.uint8), scale, lo, group_size)

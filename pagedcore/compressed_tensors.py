@@ -1,0 +1,93 @@
+"""compressed-tensors checkpoints (as llmcompressor writes them), loaded without de-quantizing.
+
+Supported: `pack-quantized` int weights, 4 bits, `group` strategy (any group size dividing the
+input width, even), symmetric or with zero points; activations unquantized (W4A16). Each such linear
+becomes an `Int4Linear` holding the checkpoint's own codes: compressed-tensors stores q + 8 for
+q in [-8, 7] (8 per int32, element i at bits 4i..4i+3) and means w = (q - zero_point) * scale, which
+is our kernel's w = u * scale + lo with u = q + 8 and lo = -(8 + zero_point) * scale, exactly.
+Anything else is refused with a message naming what is supported.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+SUPPORTED = "compressed-tensors pack-quantized int4 weights with group strategy (W4A16)"
+
+
+def quantization_config(model_dir: Path) -> dict | None:
+    cfg = json.loads((model_dir / "config.json").read_text()).get("quantization_config")
+    return cfg if cfg and cfg.get("quant_method") == "compressed-tensors" else None
+
+
+def weight_args(cfg: dict) -> dict:
+    """The one weight scheme of the checkpoint, checked against what the kernel can run."""
+    groups = list(cfg.get("config_groups", {}).values())
+    if len(groups) != 1:
+        raise ValueError(f"{len(groups)} quantization config groups; supported: one ({SUPPORTED})")
+    g = groups[0]
+    w, fmt = g.get("weights") or {}, g.get("format") or cfg.get("format")
+    checks = [(fmt == "pack-quantized", f"format {fmt!r}"),
+              ((w.get("num_bits"), w.get("type")) == (4, "int"), f"{w.get('num_bits')}-bit {w.get('type')} weights"),
+              (w.get("strategy") == "group", f"strategy {w.get('strategy')!r}"),
+              (not g.get("input_activations"), "quantized activations")]
+    problems = [what for ok, what in checks if not ok]
+    if problems:
+        raise ValueError(f"unsupported compressed-tensors checkpoint ({', '.join(problems)}); supported: {SUPPORTED}")
+    return {**w, "targets": g.get("targets", [])}
+
+
+def unpack_int4(packed: torch.Tensor, num_columns: int) -> torch.Tensor:
+    """[N, K/8] int32 -> [N, K] uint8 codes (q + 8), element i at bits 4i..4i+3 (little-endian)."""
+    b = packed.contiguous().view(torch.uint8)  # x86 is little-endian: byte j holds elements 2j, 2j+1
+    return torch.stack([b & 0xF, b >> 4], -1).reshape(packed.shape[0], -1)[:, :num_columns]
+
+
+def int4_linear(tensors: dict[str, torch.Tensor], bias: torch.Tensor | None, dtype: torch.dtype, group_size: int):
+    from pagedcore.quantization import Int4Linear
+
+    n, k = (int(v) for v in tensors["weight_shape"])
+    u = unpack_int4(tensors["weight_packed"], k)
+    scale = tensors["weight_scale"].float()
+    zp = tensors.get("weight_zero_point")
+    if zp is None:
+        zp = torch.zeros_like(scale)
+    else:  # zero points are packed along the output dimension
+        zp = unpack_int4(zp.t().contiguous(), n).t().float() - 8
+    return Int4Linear.from_codes(u, scale, -(8 + zp) * scale, bias, dtype, group_size)
+
+
+def load(model_dir: Path, dtype: torch.dtype):
+    """The HF model with every quantized linear as an Int4Linear over the checkpoint's codes."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = quantization_config(model_dir)
+    args = weight_args(cfg)
+    config = AutoConfig.from_pretrained(str(model_dir))
+    del config.quantization_config  # the dense skeleton: transformers must not de-quantize
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    quantized = sorted({k.rsplit(".", 1)[0] for k in state if k.endswith(".weight_packed")})
+    for name in quantized:
+        parts = {k.rsplit(".", 1)[1]: state.pop(k) for k in list(state) if k.rsplit(".", 1)[0] == name}
+        linear = model.get_submodule(name)
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"{name}: quantized weights for a {type(linear).__name__}, not a Linear")
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, int4_linear(parts, state.pop(f"{name}.bias", None), dtype,
+                                                                 args["group_size"]))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if m.rsplit(".", 1)[0] not in quantized]
+    if model.config.tie_word_embeddings:
+        missing = [m for m in missing if m != "lm_head.weight"]
+        model.tie_weights()
+    if missing or unexpected:
+        raise ValueError(f"compressed-tensors checkpoint {model_dir}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return model
