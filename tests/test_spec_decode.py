@@ -344,3 +344,26 @@ def test_measured_threshold_at_start_up(model_dir):
     assert kv.num_free_blocks == kv.num_blocks  # the dummy sequences gave every block back
     out = generate(llm, repetitive_prompts(2), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2},
+    {"method": "layer_skip", "num_layers": 10, "num_speculative_tokens": 3},
+])
+def test_smollm2_speculation_on_input_grounded_prompts(spec, smollm2_dir):
+    """The real model copying its input: same greedy tokens in fp32, and most drafts accepted."""
+    from pagedcore.bench.spec import local_passages, prompt_sets
+
+    base = LLM(str(smollm2_dir), dtype="float32", num_kv_blocks=256)
+    prompts = prompt_sets(base.get_tokenizer())["grounded"][:2]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    want = [o.outputs[0].token_ids for o in generate(base, prompts, params)]
+    llm = LLM(str(smollm2_dir), dtype="float32", num_kv_blocks=256,
+              speculative_config={**spec, "disable_by_batch_size": ALWAYS})
+    got = [o.outputs[0].token_ids for o in generate(llm, prompts, params)]
+    assert got == want and local_passages()
+    st = llm.engine.stats()
+    assert st.spec_num_drafts > 0 and st.spec_num_accepted_tokens > 0
+    if spec["method"] == "ngram":
+        assert st.spec_acceptance_rate > 0.5
