@@ -76,7 +76,8 @@ def cmd_serve_bentoml(args) -> int:
 
     require("bentoml", "pagedcore serve-bentoml")
     env = dict(os.environ)
-    env.update({f"PAGEDCORE_{k.upper()}": str(v) for k, v in _engine_settings(args).items()})
+    env.update({f"PAGEDCORE_{k.upper()}": json.dumps(v) if isinstance(v, dict) else str(v)
+                for k, v in _engine_settings(args).items()})
     argv = [sys.executable, "-m", "bentoml", "serve", BENTOML_SERVICE, "--host", args.host, "--port", str(args.port)]
     os.execvpe(sys.executable, argv, env)
     return 0  # reached only when exec is stubbed out (tests)

@@ -37,6 +37,9 @@ class EngineConfig:
     # None: on for CUDA (CUDA graphs), off for CPU, where the captured step measured no faster than
     # the eager C++ lean layers (README, "Captured forward") and the first compile takes minutes.
     compile: bool | None = None
+    # Speculative decoding, vLLM's keys (README, "Speculative decoding"): {"method": "ngram" | "draft_model" |
+    # "layer_skip", "num_speculative_tokens": k, ...}; JSON on the command line. None: off.
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -49,6 +52,10 @@ class EngineConfig:
             raise ValueError(f"quantization must be None or 'int4', got {self.quantization!r}")
         if not 0 < self.kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        if self.speculative_config is not None:
+            from pagedcore.spec_decode.config import SpeculativeConfig
+
+            SpeculativeConfig.from_dict(self.speculative_config)  # a bad one fails here, with its reason
 
     def torch_device(self) -> torch.device:
         import torch

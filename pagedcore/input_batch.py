@@ -8,7 +8,9 @@ sequences are freed. Building the step's flattened batch is then a handful of ve
 over the scheduled rows, so it costs O(batch + new tokens), not O(batch x context).
 
 How a row stays in sync with `Sequence` (see KVCacheManager for the changes it mirrors):
-- token ids only ever grow at the end;
+- token ids grow at the end, except that draft tokens (speculative decoding) are taken back after
+  verification: a row remembers how many of its tokens were not drafts when it last synced
+  (`num_stable`) and copies again from there, since the list may be as long as before but differ;
 - a block table is either replaced by a new list (admission with prefix hits, fork, swap in,
   free on recompute preemption), grows at the end, or has its last block replaced in place
   (copy-on-write of a shared partial block). The row remembers the list it copied and its last
@@ -63,6 +65,7 @@ class InputBatch:
         self.block_table = np.zeros((max_num_seqs, cdiv(max_model_len, block_size)), dtype=np.int32)
         # Per row: what it holds, and the lists it was copied from (to notice replacements).
         self.num_tokens = [0] * max_num_seqs
+        self.num_stable = [0] * max_num_seqs  # tokens that were not drafts at the last sync
         self.num_blocks = [0] * max_num_seqs
         self.last_block = [-1] * max_num_seqs
         self.owner: list[Sequence | None] = [None] * max_num_seqs
@@ -90,8 +93,11 @@ class InputBatch:
         if row is None or self.owner[row] is not seq:
             row = self._add(seq)
         tokens, blocks = seq.token_ids, seq.block_table
+        if self.num_stable[row] < self.num_tokens[row]:  # drafts since: maybe replaced, same length
+            self.num_tokens[row] = self.num_stable[row]
         if len(tokens) != self.num_tokens[row] or tokens is not self.token_src[row]:
             self._sync_tokens(row, tokens)
+        self.num_stable[row] = len(tokens) - seq.num_draft_tokens
         if len(blocks) != self.num_blocks[row] or blocks is not self.block_src[row] \
                 or (blocks and blocks[-1] != self.last_block[row]):
             self._sync_blocks(row, blocks)
@@ -100,7 +106,7 @@ class InputBatch:
     def _sync_tokens(self, row: int, tokens: list[int]) -> None:
         if tokens is not self.token_src[row]:
             self.token_src[row], self.num_tokens[row] = tokens, 0
-        held, n = self.num_tokens[row], len(tokens)
+        held, n = min(self.num_tokens[row], len(tokens)), len(tokens)
         if n > self.token_ids.shape[1]:
             self._grow(cols=n)
         if n == held + 1:
@@ -129,7 +135,7 @@ class InputBatch:
         if row is None:
             return
         self.block_table[row, :self.num_blocks[row]] = 0  # rows are zero past their blocks
-        self.num_tokens[row] = self.num_blocks[row] = 0
+        self.num_tokens[row] = self.num_blocks[row] = self.num_stable[row] = 0
         self.last_block[row] = -1
         self.owner[row] = self.token_src[row] = self.block_src[row] = None
         self.free_rows.append(row)
@@ -161,6 +167,7 @@ class InputBatch:
         extra = new_rows - old_rows
         if extra:
             self.num_tokens += [0] * extra
+            self.num_stable += [0] * extra
             self.num_blocks += [0] * extra
             self.last_block += [-1] * extra
             self.owner += [None] * extra
@@ -171,7 +178,7 @@ class InputBatch:
     # ---- the step's flattened batch --------------------------------------------------------------
     def _build(self, sched: SchedulerOutput, rows: list[int]) -> StepInputs:
         # O(batch) Python for the per-sequence numbers, then O(tokens) numpy gathers.
-        starts, seq_lens, qsl, sample_rows = [], [], [0], []
+        starts, seq_lens, qsl, sample_rows, num_logits = [], [], [0], [], []
         width = max_query_len = 0
         for i, ((seq, n), row) in enumerate(zip(sched.scheduled, rows)):
             start = seq.num_computed_tokens
@@ -180,6 +187,7 @@ class InputBatch:
             qsl.append(qsl[-1] + n)
             if start + n == len(seq.token_ids):  # this chunk reaches the end: a new token is sampled
                 sample_rows.append(i)
+                num_logits.append(1 + seq.num_draft_tokens)  # verification: a row per draft, + 1
             width = max(width, self.num_blocks[row])
             max_query_len = max(max_query_len, n)
         num_seqs, num_tokens = len(rows), qsl[-1]
@@ -200,6 +208,11 @@ class InputBatch:
         bs = self.block_size
         slot_mapping = block_table[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
         logits_indices = qsl_np[np.array(sample_rows, dtype=np.int64) + 1] - 1
+        if sum(num_logits) > len(sample_rows):
+            # the last 1 + d tokens of each sampling sequence with d drafts
+            counts = np.array(num_logits, dtype=np.int64)
+            firsts = np.repeat(logits_indices - counts + 1, counts)
+            logits_indices = firsts + np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
         return StepInputs(
             input_ids=torch.from_numpy(input_ids),
             positions=torch.from_numpy(positions),

@@ -38,6 +38,20 @@ class EngineStats:
     num_generated_tokens: int  # this step
     total_generated_tokens: int
     step_time: float  # seconds, this step
+    # speculative decoding (zero when off): see SpecDecodeStats
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_max_batch_size: int | None = None  # speculation runs below this batch size now (None: off)
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens a verified sequence emits per step: 1 + its accepted drafts."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
     @property
     def kv_usage(self) -> float:
@@ -89,6 +103,7 @@ class LLMEngine:
         self._seq_counter = itertools.count()
         self._request_counter = itertools.count()
         self.total_generated_tokens = 0
+        self.spec = self._spec_decoder()
         logger.info("pagedcore engine ready: %s, %s, %s backend; KV cache %d blocks = %d tokens",
                     self.device, self.dtype, backend.name, self.kv.num_blocks, self.kv.num_blocks * self.config.block_size)
 
@@ -168,6 +183,8 @@ class LLMEngine:
             for seq in state.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            if self.spec is not None:
+                self.spec.release_finished()
             self._event("aborted", rid, None, {})
 
     def has_unfinished_requests(self) -> bool:
@@ -186,22 +203,60 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running, self._can_speculate)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         rows, logits = self.runner.execute(sched)
         sampled = self._sample([sched.scheduled[i][0] for i in rows], logits)
         self.scheduler.update_from_output(sched, sampled)
+        if self.spec is not None:
+            self.spec.release_finished()
         outputs = self._collect_outputs(sampled)
-        self.total_generated_tokens += len(sampled.samples)
+        generated = sum(max(len(s.token_ids), 1) for s in sampled.samples)  # beams append their own one
+        self.total_generated_tokens += generated
         self.pm.hook.pagedcore_step_end(
-            stats=self.stats(sched.num_tokens, len(sampled.samples), time.perf_counter() - t0))
+            stats=self.stats(sched.num_tokens, generated, time.perf_counter() - t0))
         return outputs
+
+    # ---- speculative decoding ------------------------------------------------------------------
+    def _spec_decoder(self):
+        if self.config.speculative_config is None:
+            return None
+        from pagedcore.spec_decode.config import SpeculativeConfig
+        from pagedcore.spec_decode.spec_decoder import SpecDecoder
+
+        if self.logits_processors:
+            # Processors see one row per sequence and its tokens; verification rows are not that.
+            logger.warning("speculative decoding off: logits processor plugins are registered")
+            return None
+        return SpecDecoder(SpeculativeConfig.from_dict(self.config.speculative_config), self)
+
+    def _can_speculate(self, seq: Sequence) -> bool:
+        # Beam search scores every beam's next-token distribution: it disables speculation for its request.
+        state = self.requests.get(seq.request_id)
+        return state is not None and state.beam is None
+
+    def _verify(self, seqs: list[Sequence], logits: torch.Tensor, out: SampledOutput):
+        """Hand the sequences with drafts (1 + k logits rows each) to the rejection sampler; return the
+        others with their one row each."""
+        counts = [1 + s.num_draft_tokens for s in seqs]
+        starts = list(itertools.accumulate(counts, initial=0))
+        drafted = [i for i, s in enumerate(seqs) if s.num_draft_tokens]
+        plain = [i for i, s in enumerate(seqs) if not s.num_draft_tokens]
+        dev = logits.device
+        rows = [r for i in drafted for r in range(starts[i], starts[i + 1])]
+        out.samples += self.spec.verify([seqs[i] for i in drafted], logits[torch.tensor(rows, device=dev)],
+                                        self.eos_token_ids, self.output_processor.make_logprobs)
+        return [seqs[i] for i in plain], logits[torch.tensor([starts[i] for i in plain], dtype=torch.long, device=dev)]
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SampledOutput:
         """The next token of every sequence that reached its end: the sampler's for most, the
         request's beam group's for beam search. Only decides; the scheduler applies it."""
         out = SampledOutput()
+        if self.spec is not None and any(seq.num_draft_tokens for seq in seqs):
+            seqs, logits = self._verify(seqs, logits, out)
         is_beam = [self.requests[seq.request_id].beam is not None for seq in seqs]
         beam_rows = [(seq, logits[i]) for i, seq in enumerate(seqs) if is_beam[i]]
         if beam_rows:  # beams leave the sampler's batch
@@ -302,9 +357,14 @@ class LLMEngine:
     # ---- helpers --------------------------------------------------------------------------
     def stats(self, scheduled_tokens: int = 0, generated: int = 0, step_time: float = 0.0) -> EngineStats:
         s = self.scheduler
-        return EngineStats(len(s.running), len(s.waiting), len(s.swapped), self.kv.num_free_blocks,
-                           self.kv.num_blocks, s.num_preemptions, scheduled_tokens, generated,
-                           self.total_generated_tokens, step_time)
+        stats = EngineStats(len(s.running), len(s.waiting), len(s.swapped), self.kv.num_free_blocks,
+                            self.kv.num_blocks, s.num_preemptions, scheduled_tokens, generated,
+                            self.total_generated_tokens, step_time)
+        if self.spec is not None:
+            st = self.spec.stats
+            stats.spec_num_drafts, stats.spec_num_draft_tokens = st.num_drafts, st.num_draft_tokens
+            stats.spec_num_accepted_tokens, stats.spec_max_batch_size = st.num_accepted_tokens, self.spec.max_batch_size
+        return stats
 
     def _check_params(self, params) -> SamplingParams:
         if params is None:

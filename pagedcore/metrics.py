@@ -149,6 +149,13 @@ METRICS = (
     MetricSpec("generation_tokens", "counter", "Tokens sampled, every sample and beam included"),
     MetricSpec("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache at admission"),
     MetricSpec("prefix_cache_hits", "counter", "Prompt tokens served from the prefix cache at admission"),
+    MetricSpec("spec_decode_num_drafts", "counter", "Speculative decoding: sequence-steps verified with drafts"),
+    MetricSpec("spec_decode_num_draft_tokens", "counter", "Speculative decoding: draft tokens proposed and verified"),
+    MetricSpec("spec_decode_num_accepted_tokens", "counter", "Speculative decoding: draft tokens accepted"),
+    MetricSpec("spec_decode_acceptance_rate", "gauge",
+               "Speculative decoding: accepted / proposed draft tokens since start, 0 to 1"),
+    MetricSpec("spec_decode_mean_acceptance_length", "gauge",
+               "Speculative decoding: tokens a verified sequence emits per step since start (1 + accepted drafts)"),
     MetricSpec("time_to_first_token_seconds", "histogram",
                "Time from a request's arrival at the engine to its first token", TTFT_BUCKETS),
     MetricSpec("time_per_output_token_seconds", "histogram",
@@ -194,6 +201,11 @@ class EngineMetrics:
     generation_tokens: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    spec_decode_num_drafts: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
+    spec_decode_acceptance_rate: float
+    spec_decode_mean_acceptance_length: float
     time_to_first_token_seconds: HistogramSnapshot
     time_per_output_token_seconds: HistogramSnapshot
     e2e_request_latency_seconds: HistogramSnapshot
@@ -206,9 +218,12 @@ class EngineMetrics:
         prompt_tokens, ttft, tpot, e2e = engine.output_processor.recorder.snapshot()
         total = kv.num_blocks
         used = total - kv.num_free_blocks
+        spec = engine.spec.stats if getattr(engine, "spec", None) is not None else None
+        spec_counts = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, spec.acceptance_rate,
+                       spec.mean_acceptance_length) if spec is not None else (0, 0, 0, 0.0, 0.0)
         return cls(len(s.running), len(s.waiting), len(s.swapped), used / total, used, total, s.num_preemptions,
                    prompt_tokens, engine.total_generated_tokens, kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens,
-                   ttft, tpot, e2e)
+                   *spec_counts, ttft, tpot, e2e)
 
     def value(self, spec: MetricSpec):
         return getattr(self, spec.field)

@@ -269,10 +269,10 @@ def sample_from_probs(
     ext = _cpu_ext() if probs.device.type == "cpu" else None
     if ext is None:
         return exponential_race(probs, generators, needs_default_rng)
-    return ext.sample_inverse_cdf(probs.float(), _uniforms(probs.shape[0], generators, needs_default_rng))
+    return ext.sample_inverse_cdf(probs.float(), uniforms(probs.shape[0], generators, needs_default_rng))
 
 
-def _uniforms(B: int, generators: dict[int, torch.Generator], needs_default_rng: bool) -> torch.Tensor:
+def uniforms(B: int, generators: dict[int, torch.Generator], needs_default_rng: bool) -> torch.Tensor:
     """u ~ U[0, 1) per row, fp64; seeded rows draw theirs from their own generator."""
     u = torch.rand(B, dtype=torch.float64) if needs_default_rng else torch.zeros(B, dtype=torch.float64)
     for i, g in generators.items():
@@ -374,7 +374,12 @@ class Sampler:
 
     @staticmethod
     def sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Temperature, truncation, then one exponential race over the whole batch."""
+        """Temperature, truncation, then one draw per row over the whole batch."""
+        return sample_from_probs(Sampler.probs(logits, batch), batch.generators, batch.needs_default_rng)
+
+    @staticmethod
+    def probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The distribution random rows draw from: temperature, top-k, top-p, min-p, softmax."""
         logits = logits / batch.temperature.unsqueeze(1)
         if not batch.no_top_k:
             logits = apply_top_k(logits, batch.top_k)
@@ -382,8 +387,7 @@ class Sampler:
             logits = apply_top_p(logits, batch.top_p)
         if not batch.no_min_p:
             logits = apply_min_p(logits, batch.min_p)
-        probs = logits.softmax(dim=-1)
-        return sample_from_probs(probs, batch.generators, batch.needs_default_rng)
+        return logits.softmax(dim=-1)
 
 
 def _logsumexp(raw: torch.Tensor) -> torch.Tensor:

@@ -110,6 +110,10 @@ class Scheduler:
             budget = self._schedule_swapped(out, budget)
             if not self.swapped:  # swapped sequences come back before new ones start
                 self._schedule_waiting(out, budget)
+        scheduled = {id(seq) for seq, _ in out.scheduled}
+        for seq in self.running:  # drafts of sequences left out of this step are stale by the next
+            if seq.num_draft_tokens and id(seq) not in scheduled:
+                seq.drop_draft_tokens()
         out.blocks_to_copy = self.kv.take_pending_copies()
         if out.scheduled:  # the engine runs only steps with work: keep the news for one of those
             out.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
@@ -123,6 +127,12 @@ class Scheduler:
             if num_new == 0:  # e.g. a beam waiting for its siblings
                 i += 1
                 continue
+            # Drafts that do not fit the budget (or the free blocks) are dropped, not chunked:
+            # verification needs the logits of all of a sequence's drafts in one step.
+            seq.drop_draft_tokens(min(seq.num_draft_tokens, seq.num_tokens - seq.num_computed_tokens - num_new))
+            if seq.num_draft_tokens and not self.kv.allocate_slots(seq, num_new):
+                num_new -= seq.num_draft_tokens
+                seq.drop_draft_tokens()
             while not self.kv.allocate_slots(seq, num_new):
                 victim = self.running.pop(self._victim_index(i))
                 self._preempt(victim, out)
@@ -170,6 +180,7 @@ class Scheduler:
         return len(self.running) - 1 if pick is None else pick(self.running, first)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        seq.drop_draft_tokens()  # never computed; a re-prefill must not take them for real tokens
         seq.num_preemptions += 1
         self.num_preemptions += 1
         if self._should_swap(seq):
@@ -226,6 +237,7 @@ class Scheduler:
         seq = sample.seq
         self.kv.rewind(seq, sample.num_rejected)
         del seq.token_ids[seq.num_tokens - sample.num_draft_tokens:]
+        seq.num_draft_tokens = 0
 
     def _append(self, sample: SequenceSample) -> SequenceStatus | None:
         """Append the tokens one by one; a stop drops the ones after it."""

@@ -50,6 +50,8 @@ class Sequence:
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] | None = None
     num_preemptions: int = 0
+    # Speculative decoding: the last `num_draft_tokens` of token_ids are proposals, not yet verified.
+    num_draft_tokens: int = 0
     stop_reason: int | str | None = None
     detokenizer: object | None = None
     first_token_time: float | None = None
@@ -80,6 +82,17 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens:]
+
+    def drop_draft_tokens(self, num: int | None = None) -> None:
+        """Take back the last `num` proposals (all by default) before they were computed."""
+        num = self.num_draft_tokens if num is None else num
+        if num:
+            del self.token_ids[len(self.token_ids) - num:]
+            self.num_draft_tokens -= num
 
     def append_token(self, token_id: int, logprob: float, top_logprobs: dict | None = None) -> None:
         self.token_ids.append(token_id)

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import functools
 import inspect
+import json
 import re
 import types
 import typing
@@ -62,13 +63,19 @@ def parse_setting(name: str, raw: str, source: str | None = None) -> object:
     if optional and raw.lower() in ("none", "null"):
         return None
     try:
+        if kind is dict:  # e.g. speculative_config: a JSON object
+            value = json.loads(raw)
+            if not isinstance(value, dict):
+                raise ValueError(raw)
+            return value
         if kind is bool:
             if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
                 raise ValueError(raw)
             return raw.lower() in ("1", "true", "yes", "on")
         return kind(raw)
-    except ValueError:
-        raise ValueError(f"{where}={raw!r} is not a valid {kind.__name__}") from None
+    except ValueError:  # json.JSONDecodeError included
+        what = "JSON object" if kind is dict else kind.__name__
+        raise ValueError(f"{where}={raw!r} is not a valid {what}") from None
 
 
 def settings_from_env(environ: Mapping[str, str]) -> dict:
@@ -94,7 +101,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            g.add_argument(flag, dest=f.name, default=None, metavar=kind.__name__.upper(), help=text,
+            g.add_argument(flag, dest=f.name, default=None, metavar="JSON" if kind is dict else kind.__name__.upper(),
+                           help=text,
                            type=functools.partial(_parse_arg, f.name))
 
 

@@ -382,3 +382,30 @@ class InputBatchMachine(RuleBasedStateMachine):
 
 TestInputBatchMachine = InputBatchMachine.TestCase
 TestInputBatchMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_drafts_get_logits_rows_and_a_rollback_to_the_same_length_is_copied_again():
+    """Speculative decoding: a sequence with d drafts gets logits at its last d + 1 tokens; after the
+    rollback it may be exactly as long as before with different tokens, and its row must follow."""
+    kv = KVCacheManager(64, BS)
+    batch = InputBatch(max_num_seqs=4, max_model_len=64, block_size=BS)
+    a, b = new_seq(0, [1, 2, 3, 4, 5]), new_seq(1, [7, 8, 9])
+    step(batch, [admit(kv, a), admit(kv, b)])
+    a.token_ids += [40, 41, 42]  # three drafts after the sampled token
+    a.num_draft_tokens = 3
+    sched = SchedulerOutput(scheduled=[decode(kv, a), decode(kv, b)])
+    want = reference_step(sched, BS)
+    got = batch.apply(sched)
+    assert got.logits_indices.tolist() == [0, 1, 2, 3, 4]  # a's 3 drafts + 1, then b's one
+    assert_same({name: getattr(got, name) for name in want if name != "logits_indices"},
+                {name: w for name, w in want.items() if name != "logits_indices"})
+    # two drafts accepted, the third rejected, then a new token: 9 tokens again, the last one new
+    a.num_computed_tokens += 4
+    kv.rewind(a, 1)
+    del a.token_ids[-3:]
+    a.num_draft_tokens = 0
+    a.token_ids += [40, 41, 50]
+    b.num_computed_tokens += 1
+    b.token_ids.append(6)
+    step(batch, [decode(kv, a), decode(kv, b)])  # check_step compares the rows with the sequences
+    assert batch.token_ids[batch.row_of[0], 8] == 50

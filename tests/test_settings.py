@@ -64,3 +64,16 @@ def test_each_front_door_command_takes_every_engine_flag(command, capsys):
     out = capsys.readouterr().out
     for name in FIELDS:
         assert "--" + name.replace("_", "-") in out
+
+
+def test_a_dict_field_is_a_json_object_on_the_command_line_and_in_the_environment():
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    args = _parser().parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert settings.settings_from_args(args) == {"speculative_config": spec}
+    assert settings.settings_from_env({"PAGEDCORE_SPECULATIVE_CONFIG": '{"method": "ngram", "num_speculative_tokens": 3}'}) \
+        == {"speculative_config": spec}
+    with pytest.raises(ValueError, match="PAGEDCORE_SPECULATIVE_CONFIG='ngram' is not a valid JSON object"):
+        settings.settings_from_env({"PAGEDCORE_SPECULATIVE_CONFIG": "ngram"})
+    with pytest.raises(ValueError, match="is not a valid JSON object"):
+        settings.parse_setting("speculative_config", "[1, 2]")
+    EngineConfig(**settings.settings_from_args(args))

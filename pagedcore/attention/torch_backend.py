@@ -2,6 +2,11 @@
 
 The math lives in `pagedcore.kernels.cpu_attention` beside the Triton kernels it mirrors: decode
 rows batched into one block-granular gather + SDPA, prefill rows through SDPA per sequence.
+
+Short queries (speculative verification: k + 1 tokens per sequence; tiny prefill chunks) run as
+decode rows: their K/V are written first, so query token j of a sequence attends to the cache up
+to its own position, exactly the causal prefill. One batched decode call then replaces a
+gather + SDPA per sequence and layer, which costs more than the math at this size.
 """
 
 from __future__ import annotations
@@ -25,6 +30,36 @@ def write_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
+# Queries up to this long run as one decode row per token (see above).
+SHORT_QUERY_MAX = 16
+
+
+def split_short_queries(md: AttentionMetadata, max_len: int = SHORT_QUERY_MAX) -> AttentionMetadata:
+    """The same attention with every query of 2..max_len tokens as that many one-token rows, token j
+    seeing the context up to its own position. `md` itself when there is none to split."""
+    qsl, lens = md.query_start_loc_cpu, md.seq_lens_cpu
+    q_lens = [qsl[i + 1] - qsl[i] for i in range(len(lens))]
+    if not any(1 < n <= max_len for n in q_lens):
+        return md
+    rows, new_qsl, new_lens = [], [0], []
+    for i, n in enumerate(q_lens):
+        if 1 < n <= max_len:
+            rows += [i] * n
+            new_lens += range(lens[i] - n + 1, lens[i] + 1)
+            new_qsl += range(new_qsl[-1] + 1, new_qsl[-1] + n + 1)
+        else:
+            rows.append(i)
+            new_lens.append(lens[i])
+            new_qsl.append(new_qsl[-1] + n)
+    dev = md.seq_lens.device
+    index = torch.tensor(rows, dtype=torch.long, device=md.block_table.device)
+    return AttentionMetadata(
+        num_tokens=md.num_tokens, query_start_loc=torch.tensor(new_qsl, dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor(new_lens, dtype=torch.int32, device=dev), block_table=md.block_table[index],
+        slot_mapping=md.slot_mapping, max_query_len=max((n for n in q_lens if n > max_len), default=1),
+        max_seq_len=md.max_seq_len, query_start_loc_cpu=new_qsl, seq_lens_cpu=new_lens, block_size=md.block_size)
+
+
 @dataclass
 class TorchAttentionMetadata:
     common: AttentionMetadata
@@ -35,7 +70,7 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def build_metadata(self, common: AttentionMetadata) -> TorchAttentionMetadata:
-        return TorchAttentionMetadata(common)
+        return TorchAttentionMetadata(split_short_queries(common))
 
     def forward(self, query, key, value, k_cache, v_cache, metadata, scale,
                 sliding_window=None, softcap=None) -> torch.Tensor:
