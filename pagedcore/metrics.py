@@ -24,6 +24,7 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from pagedcore.limits import ABORT_REASONS, REJECT_REASONS
 from pagedcore.outputs import RequestMetrics
 
 PREFIX = "pagedcore:"
@@ -127,6 +128,8 @@ class MetricSpec:
     kind: str  # "gauge" | "counter" | "histogram"
     help: str
     buckets: tuple[float, ...] = ()  # histograms: upper bounds, +Inf implied
+    label: str | None = None  # a labelled counter: one series per value, all shown from the start
+    label_values: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -149,6 +152,15 @@ METRICS = (
     MetricSpec("generation_tokens", "counter", "Tokens sampled, every sample and beam included"),
     MetricSpec("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache at admission"),
     MetricSpec("prefix_cache_hits", "counter", "Prompt tokens served from the prefix cache at admission"),
+    MetricSpec("requests_rejected", "counter",
+               "Requests refused before they ran, by reason: the limit they hit (an EngineConfig setting), "
+               "'invalid' input, or 'unavailable' (shutting down, unhealthy)", label="reason",
+               label_values=REJECT_REASONS),
+    MetricSpec("requests_aborted", "counter",
+               "Requests ended before they finished, by reason: 'client' (disconnect, cancel), 'timeout' "
+               "(deadline), 'error' (a failed step), 'shutdown'", label="reason", label_values=ABORT_REASONS),
+    MetricSpec("step_failures", "counter", "Engine steps that raised (their requests failed; the engine went on)"),
+    MetricSpec("engine_healthy", "gauge", "1 while the engine serves, 0 once repeated step failures marked it unhealthy"),
     MetricSpec("time_to_first_token_seconds", "histogram",
                "Time from a request's arrival at the engine to its first token", TTFT_BUCKETS),
     MetricSpec("time_per_output_token_seconds", "histogram",
@@ -167,6 +179,7 @@ class Update:
     spec: MetricSpec
     value: float
     times: int = 1
+    label_value: str | None = None  # for a labelled counter: which series
 
 
 # ---- the snapshot ---------------------------------------------------------------------------------------
@@ -183,6 +196,10 @@ class EngineMetrics:
     generation_tokens: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    requests_rejected: tuple[int, ...]  # per REJECT_REASONS
+    requests_aborted: tuple[int, ...]  # per ABORT_REASONS
+    step_failures: int
+    engine_healthy: int
     time_to_first_token_seconds: HistogramSnapshot
     time_per_output_token_seconds: HistogramSnapshot
     e2e_request_latency_seconds: HistogramSnapshot
@@ -197,7 +214,8 @@ class EngineMetrics:
         used = total - kv.num_free_blocks
         return cls(len(s.running), len(s.waiting), len(s.swapped), used / total, used, total, s.num_preemptions,
                    prompt_tokens, engine.total_generated_tokens, kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens,
-                   ttft, tpot, e2e)
+                   engine.rejected.snapshot(), engine.aborted.snapshot(), engine.num_step_failures,
+                   int(engine.healthy), ttft, tpot, e2e)
 
     def value(self, spec: MetricSpec):
         return getattr(self, spec.field)
@@ -208,6 +226,11 @@ class EngineMetrics:
             now, then = self.value(spec), earlier.value(spec) if earlier is not None else None
             if spec.kind == "gauge":
                 yield Update(spec, now)
+            elif spec.label is not None:
+                for i, label_value in enumerate(spec.label_values):
+                    before = then[i] if then is not None else 0
+                    if now[i] > before or then is None:  # fresh: every series shows, at 0 if need be
+                        yield Update(spec, now[i] - before, label_value=label_value)
             elif spec.kind == "counter":
                 if now > (then or 0):
                     yield Update(spec, now - (then or 0))
