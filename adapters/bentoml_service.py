@@ -81,15 +81,20 @@ class PrometheusMetrics:
 
         make = {
             "gauge": lambda s: Gauge(s.name, s.help, ["model_name"], multiprocess_mode="livemostrecent"),
-            "counter": lambda s: Counter(s.name, s.help, ["model_name"]),
+            "counter": lambda s: Counter(s.name, s.help, ["model_name", *filter(None, [s.label])]),
             "histogram": lambda s: Histogram(s.name, s.help, ["model_name"], buckets=s.buckets),
         }
-        self.metrics = {s.name: make[s.kind](s).labels(model_name=model_name) for s in METRICS}
+        self.metrics = {}  # (name, label value or None) -> the series
+        for spec in METRICS:
+            metric = make[spec.kind](spec)
+            for value in spec.label_values or [None]:
+                labels = {"model_name": model_name, **({spec.label: value} if spec.label else {})}
+                self.metrics[spec.name, value] = metric.labels(**labels)
         self.publisher = MetricsPublisher(engine, self.push, METRICS_INTERVAL_S,
                                           on_error=lambda e: logger.exception("updating engine metrics failed"))
 
     def push(self, update: Update) -> None:
-        update.apply(self.metrics[update.spec.name])
+        update.apply(self.metrics[update.spec.name, update.label_value])
 
     def stop(self) -> None:
         self.publisher.stop()

@@ -147,14 +147,16 @@ class TritonMetrics:
         for spec in METRICS:
             family = pb_utils.MetricFamily(name=spec.name, description=spec.help, kind=kinds[spec.kind])
             self._families.append(family)
-            self.metrics[spec.name] = family.Metric(labels=labels, buckets=list(spec.buckets)) \
-                if spec.kind == "histogram" else family.Metric(labels=labels)
+            for value in spec.label_values or [None]:
+                series = {**labels, **({spec.label: value} if spec.label else {})}
+                self.metrics[spec.name, value] = family.Metric(labels=series, buckets=list(spec.buckets)) \
+                    if spec.kind == "histogram" else family.Metric(labels=series)
         self.publisher = MetricsPublisher(
             engine, self.push, METRICS_INTERVAL_S,
             on_error=lambda e: pb_utils.Logger.log_warn(f"pagedcore metrics update failed: {e}"))
 
     def push(self, update: Update) -> None:
-        update.apply(self.metrics[update.spec.name], increment="increment")
+        update.apply(self.metrics[update.spec.name, update.label_value], increment="increment")
 
     def close(self) -> None:
         self.publisher.stop()

@@ -6,12 +6,15 @@ from contextlib import contextmanager
 
 from pagedcore.config import EngineConfig
 from pagedcore.hookspecs import hookimpl
+from pagedcore.limits import (EngineDeadError, LimitExceededError, OverloadedError, RequestFailedError,
+                              RequestTimeoutError)
 from pagedcore.outputs import CompletionOutput, Logprob, OutputKind, RequestOutput
 from pagedcore.sampling_params import InvalidRequestError, SamplingParams
 
 __all__ = [
     "LLM", "LLMEngine", "AsyncLLMEngine", "EngineConfig", "SamplingParams", "InvalidRequestError",
     "RequestOutput", "CompletionOutput", "Logprob", "OutputKind", "hookimpl",
+    "LimitExceededError", "OverloadedError", "EngineDeadError", "RequestTimeoutError", "RequestFailedError",
 ]
 __version__ = "0.1.0"
 

@@ -4,26 +4,42 @@ The engine steps in its own thread; the model's forward releases the GIL, so eve
 responsive. Only that thread touches engine state: callers hand it "add" and "abort" commands
 through a queue, drained before every step. Each request's outputs travel to its caller's loop
 through `call_soon_threadsafe`.
+
+Shutdown is deterministic: `shutdown()` (also `with` / `async with`, and an atexit hook for engines
+still running when the interpreter exits) stops the thread and joins it, so no step is inside torch
+while the interpreter tears down. `shutdown(grace_period=s)` first stops admitting and lets the
+requests in flight finish for up to `s` seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import queue
 import threading
+import weakref
 from typing import AsyncIterator
 
 from pagedcore.llm_engine import LLMEngine
 from pagedcore.outputs import OutputKind, RequestOutput
+from pagedcore.limits import EngineDeadError, RequestFailedError
 from pagedcore.sampling_params import InvalidRequestError
+
+__all__ = ["AsyncLLMEngine", "EngineDeadError"]
 
 logger = logging.getLogger("pagedcore")
 
+# Engines whose thread may still run: shut down at interpreter exit (atexit runs after Python has
+# joined its non-daemon threads, while daemon ones still run), before torch's teardown.
+_LIVE: weakref.WeakSet = weakref.WeakSet()
 
-class EngineDeadError(RuntimeError):
-    pass
+
+@atexit.register
+def _shutdown_live_engines() -> None:
+    for engine in list(_LIVE):
+        engine.shutdown()
 
 
 class _Stream:
@@ -47,9 +63,24 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._stopped = False
+        self._accepting = True
+        self._shutdown_lock = threading.Lock()
         self._last_stats = None
         self._thread = threading.Thread(target=self._loop, name="pagedcore-engine", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
+
+    def __enter__(self) -> "AsyncLLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    async def __aenter__(self) -> "AsyncLLMEngine":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.to_thread(self.shutdown)
 
     @classmethod
     def from_settings(cls, model: str | None = None, plugins=(), **settings) -> "AsyncLLMEngine":
@@ -59,24 +90,40 @@ class AsyncLLMEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def config(self):
+        return self.engine.config
+
+    @property
+    def healthy(self) -> bool:
+        """Readiness: admitting requests, its thread alive, and not marked unhealthy by failed steps."""
+        return self._accepting and self._thread.is_alive() and self.engine.healthy
+
     async def generate(self, prompt, sampling_params=None, request_id: str | None = None,
-                       output_kind: OutputKind = OutputKind.DELTA) -> AsyncIterator[RequestOutput]:
+                       output_kind: OutputKind = OutputKind.DELTA,
+                       timeout: float | None = None) -> AsyncIterator[RequestOutput]:
         """Yield outputs as tokens arrive (deltas by default). Invalid input raises
-        `InvalidRequestError` before anything is queued; leaving the loop early aborts the request."""
-        if self._stopped:
-            raise EngineDeadError("the engine is shut down")
+        `InvalidRequestError`, overload `OverloadedError`, before anything is queued; leaving the
+        loop early aborts the request. `timeout`: seconds to the request's deadline
+        (`RequestTimeoutError` past it); a failed step raises `RequestFailedError`."""
+        if not self._accepting:
+            e = EngineDeadError("the engine is shut down" if self._stopped else "the engine is shutting down")
+            self.engine.reject(e)
+            raise e
         processed = self.engine.process_prompt(prompt, sampling_params)  # pure: no lock needed
         request_id = request_id or f"async-{next(self._ids)}"
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        self.engine.check_capacity(len(self._streams))  # counts requests queued but not yet added
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, processed, output_kind))
+        self._commands.put(("add", request_id, processed, output_kind, timeout))
         finished = False
         try:
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
+                    finished = True  # the engine ended it: nothing to abort
                     raise item
                 finished = item.finished
                 yield item
@@ -98,10 +145,18 @@ class AsyncLLMEngine:
         self._commands.put(("barrier", done))
         return done.wait(timeout)
 
-    def shutdown(self) -> None:
-        self._stopped = True
-        self._commands.put(("wake",))
-        self._thread.join(timeout=30)
+    def shutdown(self, grace_period: float = 0.0) -> None:
+        """Stop admitting; give the requests in flight up to `grace_period` seconds to finish; end
+        the rest (their streams raise EngineDeadError, their blocks are freed); join the thread.
+        Idempotent, and safe from any thread but the engine's own."""
+        with self._shutdown_lock:
+            self._accepting = False
+            if grace_period > 0 and not self._stopped and self._thread.is_alive():
+                self.wait_idle(grace_period)
+            self._stopped = True
+            self._commands.put(("wake",))
+            self._thread.join(timeout=60)
+            _LIVE.discard(self)
 
     def _loop(self) -> None:
         while not self._stopped:
@@ -109,20 +164,25 @@ class AsyncLLMEngine:
             if not self.engine.has_unfinished_requests():
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self.engine.step()  # fails only a failed step's requests, itself
                 self._last_stats = self.engine.stats()
-            except Exception as e:  # fail the requests in flight, keep the engine thread alive
+            except Exception as e:  # a bug outside the step's own guard: fail everything in flight
                 logger.exception("engine step failed")
                 self._fail_all(e)
                 continue
             for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if out.finished:
-                    self._streams.pop(out.request_id, None)
-                if stream is not None and not stream.put(out) and not out.finished:
-                    self._streams.pop(out.request_id, None)
-                    self.engine.abort_request(out.request_id)
+                self._deliver(out)
         self._close_streams()
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if out.finished:
+            self._streams.pop(out.request_id, None)
+        if stream is None:
+            return
+        if not stream.put(out.error if out.error is not None else out) and not out.finished:
+            self._streams.pop(out.request_id, None)  # nobody can read it
+            self.engine.abort_request(out.request_id)
 
     def _close_streams(self) -> None:
         """After shutdown: end every open stream with EngineDeadError (a caller mid-stream must
@@ -135,7 +195,7 @@ class AsyncLLMEngine:
         except queue.Empty:
             pass
         streams, self._streams = self._streams, {}
-        self.engine.abort_request(list(self.engine.requests))
+        self.engine.abort_request(list(self.engine.requests), reason="shutdown")
         for stream in streams.values():
             stream.put(EngineDeadError("the engine is shut down"))
 
@@ -155,12 +215,12 @@ class AsyncLLMEngine:
     def _apply(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, request_id, processed, output_kind = cmd
+            _, request_id, processed, output_kind, timeout = cmd
             stream = self._streams.get(request_id)
             if stream is None:  # aborted before it was queued
                 return
             try:
-                self.engine.add_request(request_id, processed, output_kind=output_kind)
+                self.engine.add_request(request_id, processed, output_kind=output_kind, timeout=timeout)
             except Exception as e:
                 self._streams.pop(request_id, None)
                 stream.put(e)
@@ -174,6 +234,6 @@ class AsyncLLMEngine:
 
     def _fail_all(self, error: Exception) -> None:
         streams, self._streams = self._streams, {}
-        self.engine.abort_request(list(streams))
+        self.engine.abort_request(list(self.engine.requests), reason="error")
         for stream in streams.values():
-            stream.put(RuntimeError(f"engine step failed: {error}"))
+            stream.put(RequestFailedError(f"generation failed: {type(error).__name__}: {error}"))

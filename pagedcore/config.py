@@ -40,6 +40,29 @@ class EngineConfig:
     # Speculative decoding, vLLM's keys (README, "Speculative decoding"): {"method": "ngram" | "draft_model" |
     # "layer_skip", "num_speculative_tokens": k, ...}; JSON on the command line. None: off.
     speculative_config: dict | None = None
+    # ---- limits (README "Limits and failure behaviour"; TGI's names where TGI has the setting) ----
+
+    # Requests admitted and unfinished at once; past it a request is refused at once (HTTP 429 with
+    # Retry-After, Triton UNAVAILABLE). None: the KV cache's size in blocks (every admitted request can
+    # hold at least one), and at least max_num_seqs.
+    max_concurrent_requests: int | None = None
+    max_input_tokens: int | None = None  # prompt tokens at most; None: the context (max_model_len, KV cache) less one
+    # Prompt plus max_tokens at most (a larger max_tokens is refused, no max_tokens is capped to it);
+    # None: the context (max_model_len and the KV cache)
+    max_total_tokens: int | None = None
+    # Seconds a request may wait for its first step; past it it is refused as overload (429 / UNAVAILABLE).
+    # None: no limit (the queue is bounded by max_concurrent_requests)
+    max_waiting_time: float | None = None
+    # Seconds from arrival to finish for a request that sets no timeout of its own (a shorter one of its
+    # own wins); past it the request is aborted and its blocks freed. None: no default deadline
+    request_timeout: float | None = None
+    max_best_of: int = 16  # n, best_of and beam width at most (sequences one request may fork into)
+    max_stop_sequences: int = 16  # stop strings at most, and stop_token_ids at most
+    payload_limit: int = 2_000_000  # bytes of one request: HTTP body, Triton input, prompt text
+    max_json_depth: int = 32  # nesting of a request's JSON (body, sampling_parameters)
+    # This many failed steps in a row mark the engine unhealthy (readiness false, requests refused)
+    max_consecutive_step_failures: int = 3
+    shutdown_grace_period: float = 30.0  # seconds in-flight requests get to finish at shutdown; then aborted
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -50,6 +73,13 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
         if self.quantization not in (None, "int4"):
             raise ValueError(f"quantization must be None or 'int4', got {self.quantization!r}")
+        for name in ("max_concurrent_requests", "max_input_tokens", "max_total_tokens", "max_best_of",
+                     "max_stop_sequences", "payload_limit", "max_json_depth", "max_consecutive_step_failures"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_waiting_time", "request_timeout"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if not 0 < self.kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         if self.speculative_config is not None:

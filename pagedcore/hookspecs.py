@@ -61,8 +61,9 @@ def pagedcore_scheduling_policy(name):
 def pagedcore_request_event(event, request_id, seq_index, info):
     """A request changed state. `event` is one of "added", "scheduled", "preempted", "finished",
     "aborted", "rejected"; `info` a dict of details (e.g. finish_reason, num_preemptions).
-    "rejected" (invalid input: `request_id` None, `info` has "field" and "error") may come from
-    the caller's thread rather than the engine's."""
+    "rejected" (refused input or overload: `request_id` None, `info` has "field", "error" and
+    "reason", a `pagedcore.limits.REJECT_REASONS` entry) may come from the caller's thread rather
+    than the engine's; "aborted" has "reason" (`ABORT_REASONS`)."""
 
 
 @hookspec

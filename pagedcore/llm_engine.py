@@ -14,6 +14,8 @@ from pagedcore.beam_search import BeamGroup
 from pagedcore.config import EngineConfig
 from pagedcore.detokenizer import IncrementalDetokenizer
 from pagedcore.kv_cache_manager import KVCacheManager
+from pagedcore.limits import (ABORT_REASONS, REJECT_REASONS, EngineDeadError, LimitExceededError, OverloadedError,
+                              RequestCounts, RequestFailedError, RequestTimeoutError, load_json, reject_reason)
 from pagedcore.model_runner import ModelRunner
 from pagedcore.output_processor import OutputProcessor, RequestState
 from pagedcore.outputs import OutputKind, RequestOutput
@@ -104,6 +106,13 @@ class LLMEngine:
         self._request_counter = itertools.count()
         self.total_generated_tokens = 0
         self.spec = self._spec_decoder()
+        self.max_concurrent_requests = self.config.max_concurrent_requests or max(self.config.max_num_seqs,
+                                                                                  self.kv.num_blocks)
+        self.rejected = RequestCounts(REJECT_REASONS)  # by reason: pagedcore:requests_rejected_total
+        self.aborted = RequestCounts(ABORT_REASONS)  # by reason: pagedcore:requests_aborted_total
+        self.num_step_failures = 0
+        self.consecutive_step_failures = 0
+        self.healthy = True  # False after max_consecutive_step_failures failed steps in a row
         logger.info("pagedcore engine ready: %s, %s, %s backend; KV cache %d blocks = %d tokens",
                     self.device, self.dtype, backend.name, self.kv.num_blocks, self.kv.num_blocks * self.config.block_size)
 
@@ -113,7 +122,36 @@ class LLMEngine:
         try:
             return self._process_prompt(prompt, params)
         except InvalidRequestError as e:
-            self._event("rejected", None, None, {"field": e.field, "error": str(e)})
+            self.reject(e)
+            raise
+
+    def reject(self, e: InvalidRequestError | OverloadedError) -> None:
+        """Count a refused request by reason and tell the plugins (from any thread)."""
+        self.rejected.add(reject_reason(e))
+        self._event("rejected", None, None, {"field": getattr(e, "field", None), "error": str(e),
+                                              "reason": reject_reason(e)})
+
+    def check_capacity(self, num_unfinished: int) -> None:
+        """Admission control: OverloadedError (counted) when `num_unfinished` requests already fill
+        max_concurrent_requests, or the engine is unhealthy. Pure: callers may run it anywhere."""
+        if not self.healthy:
+            e = EngineDeadError(f"the engine is unhealthy after {self.consecutive_step_failures} failed steps in a row")
+        elif num_unfinished >= self.max_concurrent_requests:
+            e = OverloadedError(f"the server is overloaded: {num_unfinished} requests in flight, "
+                                f"max_concurrent_requests is {self.max_concurrent_requests}; retry later",
+                                "max_concurrent_requests")
+        else:
+            return
+        self.reject(e)
+        raise e
+
+    def load_json(self, raw: str | bytes, field: str | None = None) -> object:
+        """A request's JSON (an HTTP body, Triton's sampling_parameters) within payload_limit and
+        max_json_depth; refusals are counted like the engine's own."""
+        try:
+            return load_json(raw, field, self.config.payload_limit, self.config.max_json_depth)
+        except InvalidRequestError as e:
+            self.reject(e)
             raise
 
     def _process_prompt(self, prompt, params) -> ProcessedPrompt:
@@ -121,9 +159,14 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty", "prompt")
+            size = len(prompt.encode("utf-8", "surrogatepass"))
+            if size > self.config.payload_limit:  # before tokenizing it: that is what costs
+                raise LimitExceededError(f"prompt has {size} bytes, over payload_limit ({self.config.payload_limit})",
+                                         "prompt", "payload_limit")
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             text, ids = None, list(prompt)
+            self._check_input_tokens(ids)  # before the vocabulary scan
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidRequestError(f"prompt token ids {bad[:5]} outside the vocabulary ({self.vocab_size})", "prompt")
@@ -131,36 +174,58 @@ class LLMEngine:
             raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
         if not ids:
             raise InvalidRequestError("prompt is empty", "prompt")
-        limit = self.max_token_capacity()
-        if len(ids) >= limit:
-            raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens, but at most {limit - 1} fit (max_model_len {self.max_model_len}, "
+        self._check_input_tokens(ids)
+        self._check_total_tokens(len(ids), params)
+        return ProcessedPrompt(text, ids, params)
+
+    def _check_input_tokens(self, ids: list[int]) -> None:
+        limit = self.max_token_capacity() - 1
+        if self.config.max_input_tokens is not None and self.config.max_input_tokens < limit:
+            if len(ids) > self.config.max_input_tokens:
+                raise LimitExceededError(f"prompt has {len(ids)} tokens, over max_input_tokens "
+                                         f"({self.config.max_input_tokens})", "prompt", "max_input_tokens")
+        elif len(ids) > limit:
+            raise LimitExceededError(
+                f"prompt has {len(ids)} tokens, but at most {limit} fit (max_model_len {self.max_model_len}, "
                 f"KV cache {self.kv.num_blocks * self.config.block_size} tokens"
+                + ("" if self.config.max_total_tokens is None else f", max_total_tokens {self.config.max_total_tokens}")
                 + ("" if self.config.enable_chunked_prefill else
                    f", max_num_batched_tokens {self.config.max_num_batched_tokens} without chunked prefill")
                 + ") leaving room for one new token",
-                "prompt")
-        return ProcessedPrompt(text, ids, params)
+                "prompt", "max_input_tokens")
+
+    def _check_total_tokens(self, num_prompt: int, params: SamplingParams) -> None:
+        """Set, max_total_tokens refuses a larger prompt + max_tokens (TGI); unset, max_tokens is only
+        capped at the context (finish "length"), as before."""
+        limit = self.config.max_total_tokens
+        if limit is not None and params.max_tokens is not None and num_prompt + params.max_tokens > limit:
+            raise LimitExceededError(
+                f"max_tokens {params.max_tokens} with a prompt of {num_prompt} tokens is {num_prompt + params.max_tokens} "
+                f"tokens, over max_total_tokens ({limit})", "max_tokens", "max_total_tokens")
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | ProcessedPrompt,
                     params: SamplingParams | dict | None = None, *, output_kind: OutputKind = OutputKind.CUMULATIVE,
-                    priority: int = 0, cache_salt: str | None = None) -> str:
+                    priority: int = 0, cache_salt: str | None = None, timeout: float | None = None) -> str:
         """Queue a request. `priority` orders admission under the "priority" scheduling policy (lower
         first, vLLM's convention); `cache_salt` keeps its prompt's cached blocks apart from those of
-        requests with another salt (prefix reuse only within one tenant)."""
+        requests with another salt (prefix reuse only within one tenant); `timeout`: seconds from now to
+        the request's deadline (request_timeout, if shorter, wins)."""
         p = prompt if isinstance(prompt, ProcessedPrompt) else self.process_prompt(prompt, params)
         request_id = str(next(self._request_counter)) if request_id is None else request_id
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         self._check_priority(priority)
+        self.check_capacity(len(self.requests))
         params = p.params
         if (params.best_of or params.n) > params.n or params.use_beam_search:
             output_kind = OutputKind.FINAL_ONLY  # the best n are known only at the end
         state = RequestState(request_id, p.prompt, p.prompt_token_ids, params, output_kind)
+        timeouts = [t for t in (timeout, self.config.request_timeout) if t is not None]
+        state.deadline = state.metrics.arrival_time + min(timeouts) if timeouts else None
         num_seqs = 1 if params.use_beam_search else params.best_of or params.n
         for i in range(num_seqs):
             seq = Sequence(next(self._seq_counter), request_id, i, p.prompt_token_ids, params,
-                           self.max_token_capacity(), arrival_time=state.metrics.arrival_time, priority=priority,
+                           self._max_total_tokens(), arrival_time=state.metrics.arrival_time, priority=priority,
                            generator=self._generator(params, i), cache_salt=cache_salt)
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, p.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
@@ -175,7 +240,8 @@ class LLMEngine:
         self._event("added", request_id, None, {"num_prompt_tokens": len(p.prompt_token_ids)})
         return request_id
 
-    def abort_request(self, request_ids: str | list[str]) -> None:
+    def abort_request(self, request_ids: str | list[str], reason: str = "client") -> None:
+        """End requests now and free their blocks; `reason` (limits.ABORT_REASONS) is counted."""
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             state = self.requests.pop(rid, None)
             if state is None:
@@ -185,13 +251,26 @@ class LLMEngine:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
             if self.spec is not None:
                 self.spec.release_finished()
-            self._event("aborted", rid, None, {})
+            self.aborted.add(reason)
+            self._event("aborted", rid, None, {"reason": reason})
+
+    def _end_with_error(self, rid: str, error: Exception, reason: str) -> RequestOutput:
+        """Abort a request and say why: its last output, finished, with `error` set."""
+        state = self.requests.get(rid)
+        self.abort_request(rid, reason)
+        if state is None:  # already gone (e.g. a step failed after finishing it): still tell its caller
+            return RequestOutput(rid, None, [], [], True, error=error)
+        return RequestOutput(rid, state.prompt, state.prompt_token_ids, [], True, state.metrics, error=error)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
+
+    def _max_total_tokens(self) -> int:
+        cap = self.max_token_capacity()
+        return cap if self.config.max_total_tokens is None else min(cap, self.config.max_total_tokens)
 
     def max_token_capacity(self) -> int:
         cap = min(self.max_model_len, self.kv.num_blocks * self.config.block_size)
@@ -202,18 +281,26 @@ class LLMEngine:
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step. Requests past their deadline or max_waiting_time end first; if the step itself
+        raises, only its requests fail (outputs with `error` set) and the engine goes on."""
         t0 = time.perf_counter()
-        if self.spec is not None:
-            self.spec.propose(self.scheduler.running, self._can_speculate)
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return []
-        rows, logits = self.runner.execute(sched)
-        sampled = self._sample([sched.scheduled[i][0] for i in rows], logits)
-        self.scheduler.update_from_output(sched, sampled)
-        if self.spec is not None:
-            self.spec.release_finished()
-        outputs = self._collect_outputs(sampled)
+        outputs = self._expire_requests()
+        sched = None
+        try:
+            if self.spec is not None:
+                self.spec.propose(self.scheduler.running, self._can_speculate)
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                return outputs
+            rows, logits = self.runner.execute(sched)
+            sampled = self._sample([sched.scheduled[i][0] for i in rows], logits)
+            self.scheduler.update_from_output(sched, sampled)
+            if self.spec is not None:
+                self.spec.release_finished()
+            outputs += self._collect_outputs(sampled)
+        except Exception as e:  # a kernel error, out of memory, a plugin that raised
+            return outputs + self._fail_step(sched, e)
+        self.consecutive_step_failures = 0
         generated = sum(max(len(s.token_ids), 1) for s in sampled.samples)  # beams append their own one
         self.total_generated_tokens += generated
         self.pm.hook.pagedcore_step_end(
@@ -250,6 +337,46 @@ class LLMEngine:
         out.samples += self.spec.verify([seqs[i] for i in drafted], logits[torch.tensor(rows, device=dev)],
                                         self.eos_token_ids, self.output_processor.make_logprobs)
         return [seqs[i] for i in plain], logits[torch.tensor([starts[i] for i in plain], dtype=torch.long, device=dev)]
+
+    def _expire_requests(self) -> list[RequestOutput]:
+        now = time.monotonic()
+        max_wait = self.config.max_waiting_time
+        outputs = []
+        for rid, state in list(self.requests.items()):
+            m = state.metrics
+            if state.deadline is not None and now >= state.deadline:
+                outputs.append(self._end_with_error(rid, RequestTimeoutError(
+                    f"request timeout: {now - m.arrival_time:.1f} s since it arrived"), "timeout"))
+            elif max_wait is not None and m.first_scheduled_time is None and now - m.arrival_time > max_wait:
+                e = OverloadedError(f"the server is overloaded: the request waited {now - m.arrival_time:.1f} s "
+                                    f"without being scheduled, max_waiting_time is {max_wait} s; retry later",
+                                    "max_waiting_time")
+                self.requests.pop(rid)  # refused, not aborted: it never ran
+                for seq in state.seqs:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                self.reject(e)
+                outputs.append(RequestOutput(rid, state.prompt, state.prompt_token_ids, [], True, m, error=e))
+        return outputs
+
+    def _fail_step(self, sched, e: Exception) -> list[RequestOutput]:
+        """Fail the requests of a step that raised: those it scheduled or swapped (all of them if
+        scheduling itself raised), log once, reset what the step may have left half done."""
+        self.num_step_failures += 1
+        self.consecutive_step_failures += 1
+        if self.consecutive_step_failures >= self.config.max_consecutive_step_failures:
+            self.healthy = False
+        if sched is None:
+            rids = list(self.requests)
+        else:
+            seqs = [seq for seq, _ in sched.scheduled] + [s for s in sched.preempted if sched.blocks_to_swap_out]
+            rids = list(dict.fromkeys(seq.request_id for seq in seqs))
+        logger.error("engine step failed (%d in a row%s): %s: %s; failing its %d request(s)",
+                     self.consecutive_step_failures, "; engine marked unhealthy" if not self.healthy else "",
+                     type(e).__name__, e, len(rids), exc_info=e)
+        self.runner.reset_input_batch()  # its rows may be half updated
+        self.kv.take_pending_copies()
+        error = RequestFailedError(f"generation failed: {type(e).__name__}: {e}")
+        return [self._end_with_error(rid, error, "error") for rid in rids]
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SampledOutput:
         """The next token of every sequence that reached its end: the sampler's for most, the
@@ -374,6 +501,15 @@ class LLMEngine:
         elif not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling params must be SamplingParams or a dict", "sampling_params")
         params.validate_vocab(self.vocab_size)
+        c = self.config
+        width = params.best_of or params.n
+        if width > c.max_best_of:
+            name = "best_of" if params.best_of else "n"
+            raise LimitExceededError(f"{name} {width} is over max_best_of ({c.max_best_of})", name, "max_best_of")
+        for name in ("stop", "stop_token_ids"):
+            if len(getattr(params, name)) > c.max_stop_sequences:
+                raise LimitExceededError(f"{name} has {len(getattr(params, name))} entries, over max_stop_sequences "
+                                         f"({c.max_stop_sequences})", name, "max_stop_sequences")
         return params
 
     def _check_priority(self, priority) -> None:

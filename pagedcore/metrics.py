@@ -24,6 +24,7 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from pagedcore.limits import ABORT_REASONS, REJECT_REASONS
 from pagedcore.outputs import RequestMetrics
 
 PREFIX = "pagedcore:"
@@ -127,6 +128,8 @@ class MetricSpec:
     kind: str  # "gauge" | "counter" | "histogram"
     help: str
     buckets: tuple[float, ...] = ()  # histograms: upper bounds, +Inf implied
+    label: str | None = None  # a labelled counter: one series per value, all shown from the start
+    label_values: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -156,6 +159,15 @@ METRICS = (
                "Speculative decoding: accepted / proposed draft tokens since start, 0 to 1"),
     MetricSpec("spec_decode_mean_acceptance_length", "gauge",
                "Speculative decoding: tokens a verified sequence emits per step since start (1 + accepted drafts)"),
+    MetricSpec("requests_rejected", "counter",
+               "Requests refused before they ran, by reason: the limit they hit (an EngineConfig setting), "
+               "'invalid' input, or 'unavailable' (shutting down, unhealthy)", label="reason",
+               label_values=REJECT_REASONS),
+    MetricSpec("requests_aborted", "counter",
+               "Requests ended before they finished, by reason: 'client' (disconnect, cancel), 'timeout' "
+               "(deadline), 'error' (a failed step), 'shutdown'", label="reason", label_values=ABORT_REASONS),
+    MetricSpec("step_failures", "counter", "Engine steps that raised (their requests failed; the engine went on)"),
+    MetricSpec("engine_healthy", "gauge", "1 while the engine serves, 0 once repeated step failures marked it unhealthy"),
     MetricSpec("time_to_first_token_seconds", "histogram",
                "Time from a request's arrival at the engine to its first token", TTFT_BUCKETS),
     MetricSpec("time_per_output_token_seconds", "histogram",
@@ -174,6 +186,7 @@ class Update:
     spec: MetricSpec
     value: float
     times: int = 1
+    label_value: str | None = None  # for a labelled counter: which series
 
     def apply(self, metric, increment: str = "inc") -> None:
         """Push to a door's metric object: `set` / `observe` as both doors' libraries name them, and
@@ -206,6 +219,10 @@ class EngineMetrics:
     spec_decode_num_accepted_tokens: int
     spec_decode_acceptance_rate: float
     spec_decode_mean_acceptance_length: float
+    requests_rejected: tuple[int, ...]  # per REJECT_REASONS
+    requests_aborted: tuple[int, ...]  # per ABORT_REASONS
+    step_failures: int
+    engine_healthy: int
     time_to_first_token_seconds: HistogramSnapshot
     time_per_output_token_seconds: HistogramSnapshot
     e2e_request_latency_seconds: HistogramSnapshot
@@ -223,7 +240,8 @@ class EngineMetrics:
                        spec.mean_acceptance_length) if spec is not None else (0, 0, 0, 0.0, 0.0)
         return cls(len(s.running), len(s.waiting), len(s.swapped), used / total, used, total, s.num_preemptions,
                    prompt_tokens, engine.total_generated_tokens, kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens,
-                   *spec_counts, ttft, tpot, e2e)
+                   *spec_counts, engine.rejected.snapshot(), engine.aborted.snapshot(), engine.num_step_failures,
+                   int(engine.healthy), ttft, tpot, e2e)
 
     def value(self, spec: MetricSpec):
         return getattr(self, spec.field)
@@ -234,6 +252,11 @@ class EngineMetrics:
             now, then = self.value(spec), earlier.value(spec) if earlier is not None else None
             if spec.kind == "gauge":
                 yield Update(spec, now)
+            elif spec.label is not None:
+                for i, label_value in enumerate(spec.label_values):
+                    before = then[i] if then is not None else 0
+                    if now[i] > before or then is None:  # fresh: every series shows, at 0 if need be
+                        yield Update(spec, now[i] - before, label_value=label_value)
             elif spec.kind == "counter":
                 if now > (then or 0):
                     yield Update(spec, now - (then or 0))

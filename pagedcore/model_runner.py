@@ -80,8 +80,13 @@ class ModelRunner:
             from pagedcore.capture import CapturedForward
 
             self.captured = CapturedForward(model, device, config.max_num_seqs)
-        max_len = min(config.max_model_len or self.shape.max_position_embeddings, self.num_blocks * self.block_size)
-        self.input_batch = InputBatch(config.max_num_seqs, max_len, self.block_size)
+        self.reset_input_batch()
+
+    def reset_input_batch(self) -> None:
+        """Fresh persistent rows: after a failed step, whose diff may be half applied (every live
+        sequence is copied in again when next scheduled)."""
+        max_len = min(self.config.max_model_len or self.shape.max_position_embeddings, self.num_blocks * self.block_size)
+        self.input_batch = InputBatch(self.config.max_num_seqs, max_len, self.block_size)
 
     def bytes_per_block(self) -> int:
         s = self.shape

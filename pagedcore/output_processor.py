@@ -24,6 +24,7 @@ class RequestState:
     num_sent_tokens: dict[int, int] = field(default_factory=dict)  # per seq index, for deltas
     pending_forks: list[Sequence] = field(default_factory=list)  # samples not yet forked from seqs[0]
     beam: BeamGroup | None = None  # set for beam search: its hypotheses are the outputs
+    deadline: float | None = None  # time.monotonic() past which the request is aborted (timeout)
 
     @property
     def finished(self) -> bool:

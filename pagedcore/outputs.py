@@ -55,4 +55,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    error: str | None = None  # not set by the engine: a failed step raises into every open stream (async_engine.py)
+    # Set on a request's last output when the engine ended it early (`outputs` then empty): a
+    # pagedcore.limits error (RequestTimeoutError, RequestFailedError, OverloadedError for
+    # max_waiting_time). AsyncLLMEngine raises it in the caller's stream instead of yielding it.
+    error: Exception | None = None

@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from pagedcore import LLM, SamplingParams, hookimpl
+from pagedcore import LLM, InvalidRequestError, SamplingParams, hookimpl
+from pagedcore.limits import ABORT_REASONS, REJECT_REASONS
 from pagedcore.llm_engine import LLMEngine
 from pagedcore.metrics import METRICS, EngineMetrics, Histogram
 
@@ -139,17 +140,21 @@ def test_prefix_cache_counters(model_dir):
 def test_updates_since_replayed_into_push_only_metrics_equal_each_snapshot(model_dir):
     """What MetricsPublisher does for both doors: set gauges, add counter increases, observe."""
     llm = LLM(model_dir, num_kv_blocks=64, **ENGINE)
-    pushed = {s.name: 0.0 for s in METRICS if s.kind != "histogram"}
+    pushed = {(s.name, v): 0.0 for s in METRICS if s.kind != "histogram" for v in s.label_values or [None]}
     observed = {s.name: Histogram(s.buckets) for s in METRICS if s.kind == "histogram"}
     last = None
     for round_ in range(3):
         llm.generate(prompts(6, 11, seed=10 + round_), [exact(3), exact(5)], use_tqdm=False)
+        with pytest.raises(InvalidRequestError):  # a rejection and an abort each round: labelled counters move
+            llm.engine.add_request(None, [5] * 600, exact(2))
+        llm.engine.add_request(f"gone-{round_}", prompts(4)[0], exact(2))
+        llm.engine.abort_request(f"gone-{round_}")
         now = EngineMetrics.from_engine(llm.engine)
         for u in now.updates_since(last):
             if u.spec.kind == "gauge":
-                pushed[u.spec.name] = u.value
+                pushed[u.spec.name, None] = u.value
             elif u.spec.kind == "counter":
-                pushed[u.spec.name] += u.value
+                pushed[u.spec.name, u.label_value] += u.value
             else:
                 for _ in range(u.times):
                     observed[u.spec.name].observe(u.value)
@@ -158,9 +163,14 @@ def test_updates_since_replayed_into_push_only_metrics_equal_each_snapshot(model
             if spec.kind == "histogram":
                 got = observed[spec.name].snapshot()
                 assert got.counts == want.counts and got.sum == pytest.approx(want.sum), spec.name
+            elif spec.label is not None:
+                assert tuple(pushed[spec.name, v] for v in spec.label_values) == want, spec.name
             else:
-                assert pushed[spec.name] == want, spec.name
+                assert pushed[spec.name, None] == want, spec.name
         last = now
+    reasons = dict(zip(REJECT_REASONS, last.requests_rejected))
+    assert reasons["max_input_tokens"] == 3 and sum(last.requests_rejected) == 3
+    assert dict(zip(ABORT_REASONS, last.requests_aborted))["client"] == 3
     assert last.time_to_first_token_seconds.count == 6
 
 

@@ -401,5 +401,5 @@ def test_rejected_event_names_the_field(tiny_model_dir):
     llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, block_size=8, plugins=[rec])
     with pytest.raises(InvalidRequestError):
         llm.generate([[5, 6, 7]], {"top_p": 1.5})
-    assert rec.events == [("rejected", {"field": "top_p", "error": rec.events[0][1]["error"]})]
+    assert rec.events == [("rejected", {"field": "top_p", "error": rec.events[0][1]["error"], "reason": "invalid"})]
     assert "top_p" in rec.events[0][1]["error"]
