@@ -14,7 +14,13 @@ Routes:
   /v1/models, /v1/completions, /v1/chat/completions   OpenAI API (see adapters/openai_api.py)
   /generate                                            native stream of text deltas (POST JSON)
   /healthz /livez /readyz /metrics                     BentoML's own; /metrics adds the engine's pagedcore:*
-                                                       metrics (pagedcore/metrics.py; README "Metrics")
+                                                       metrics (pagedcore/metrics.py; README "Metrics");
+                                                       /readyz is 503 once the engine is unhealthy or stopping
+
+Limits live in the engine (README "Limits and failure behaviour"); this door only translates them:
+400 too long / too many, 429 + Retry-After overload, 503 + Retry-After stopping or unhealthy, 408
+past a request's `timeout`. On shutdown the engine stops admitting and gives the requests in flight
+shutdown_grace_period seconds.
 
 One worker: the engine batches every request itself, so a second worker would only halve its memory.
 """
@@ -35,9 +41,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedcore.adapters.openai_api import OpenAIError, OpenAIServing
+from pagedcore.adapters.openai_api import OpenAIError, OpenAIServing, engine_error
 from pagedcore.adapters.openai_schema import openapi_document
 from pagedcore.metrics import METRICS, MetricsPublisher, Update
+from pagedcore.limits import OverloadedError
 from pagedcore.sampling_params import InvalidRequestError, SamplingParams
 from pagedcore.settings import ENV_PREFIX, settings_from_env
 
@@ -107,7 +114,7 @@ app.openapi = openapi_document  # /v1/openapi.json: the bodies are parsed by han
 
 
 def _error(e: OpenAIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 @app.exception_handler(OpenAIError)
@@ -123,15 +130,21 @@ async def _http_error(request: Request, e: StarletteHTTPException) -> JSONRespon
 
 @app.exception_handler(Exception)
 async def _server_error(request: Request, e: Exception) -> JSONResponse:
+    mapped = engine_error(e)
+    if mapped is not None:
+        return _error(mapped)
     logger.exception("request failed")
     return _error(OpenAIError(f"internal error: {e}", type="server_error", status=500))
 
 
-async def _json_body(request: Request) -> object:
+async def _json_body(request: Request, engine) -> object:
+    """The body as JSON, within the engine's payload_limit and max_json_depth (a too-large body is
+    refused by its Content-Length, before it is read)."""
     try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise OpenAIError(f"the request body is not valid JSON: {e}") from e
+        engine.check_payload(int(request.headers.get("content-length") or 0))
+        return engine.load_json(await request.body())
+    except InvalidRequestError as e:
+        raise OpenAIError(str(e)) from e
 
 
 async def _unless_disconnected(request: Request, coro) -> object:
@@ -186,9 +199,14 @@ class PagedCore:
         self.metrics = PrometheusMetrics(self.engine.engine, self.openai.model_name)
 
     @bentoml.on_shutdown
-    def shutdown(self) -> None:
+    async def shutdown(self) -> None:
+        # Stop admitting, let the requests in flight finish (or abort them after the grace period).
+        await asyncio.to_thread(self.engine.shutdown, self.engine.config.shutdown_grace_period)
         self.metrics.stop()
-        self.engine.shutdown()
+
+    def __is_ready__(self) -> bool:
+        """/readyz: false once repeated step failures mark the engine unhealthy, or it is stopping."""
+        return self.engine.healthy
 
     # ---- OpenAI routes (FastAPI; `self` is injected by BentoML) ------------------------------------
     @app.get("/models")
@@ -197,12 +215,12 @@ class PagedCore:
 
     @app.post("/completions")
     async def completions(self, request: Request):
-        body = await _json_body(request)
+        body = await _json_body(request, self.engine.engine)
         return _respond(await _unless_disconnected(request, self.openai.completions(body)))
 
     @app.post("/chat/completions")
     async def chat_completions(self, request: Request):
-        body = await _json_body(request)
+        body = await _json_body(request, self.engine.engine)
         return _respond(await _unless_disconnected(request, self.openai.chat_completions(body)))
 
     # ---- the native stream ---------------------------------------------------------------------------
@@ -226,3 +244,5 @@ class PagedCore:
                         yield out.outputs[0].text
         except InvalidRequestError as e:
             raise bentoml.exceptions.InvalidArgument(str(e)) from e
+        except OverloadedError as e:  # BentoML has no 429 of its own: 503, as TGI answers overload
+            raise bentoml.exceptions.ServiceUnavailable(str(e)) from e

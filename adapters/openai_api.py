@@ -17,6 +17,9 @@ Choices made where OpenAI leaves room or the engine differs:
   * unknown body fields are a 400 naming the field (as OpenAI does); a few OpenAI fields with no
     meaning here (`user`, `metadata`, `store`, ...) are accepted and ignored; unsupported
     features (`tools`, `logit_bias`, `echo`, `suffix`, non-text `response_format`) are a 400.
+  * `timeout` (seconds, an extra): the request's deadline; past it the request is aborted (408, or
+    an error event mid-stream). Engine limits (README "Limits and failure behaviour") map to 400
+    (too long, too many), 429 + Retry-After (overload), 503 + Retry-After (shutting down, unhealthy).
   * `usage.completion_tokens` counts every generated token of the returned choices, the final
     EOS or stop token included; `prompt_tokens` is the tokenized prompt (chat: after the template).
 """
@@ -32,6 +35,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from pagedcore.limits import OverloadedError, RequestFailedError, RequestTimeoutError
 from pagedcore.outputs import CompletionOutput, OutputKind, RequestOutput
 from pagedcore.sampling_params import InvalidRequestError, SamplingParams
 
@@ -40,9 +44,10 @@ class OpenAIError(Exception):
     """An error the client sees as `{"error": {"message", "type", "param", "code"}}`."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None):
+                 type: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -53,7 +58,7 @@ _OPENAI_MAPPED = {"n", "temperature", "top_p", "presence_penalty", "frequency_pe
                   "stop", "logprobs"}
 ENGINE_EXTRAS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - _OPENAI_MAPPED
 _COMMON = {"model", "stream", "stream_options", "n", "temperature", "top_p", "presence_penalty", "frequency_penalty",
-           "seed", "max_tokens", "stop", "logprobs", "logit_bias", "user"}
+           "seed", "max_tokens", "stop", "logprobs", "logit_bias", "user", "timeout"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
                          "functions", "function_call", "parallel_tool_calls", "store", "metadata", "service_tier",
@@ -63,6 +68,26 @@ _CHAT_ROLES = {"system", "developer", "user", "assistant"}
 
 def sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+def engine_error(e: Exception) -> OpenAIError | None:
+    """The client's view of an engine refusal or failure (None: not one of the engine's)."""
+    if isinstance(e, OverloadedError):
+        unavailable = e.reason == "unavailable"
+        return OpenAIError(str(e), status=503 if unavailable else 429, code=e.reason,
+                           type="service_unavailable" if unavailable else "overloaded_error",
+                           headers={"Retry-After": str(max(1, round(e.retry_after)))})
+    if isinstance(e, RequestTimeoutError):
+        return OpenAIError(str(e), "timeout", status=408, type="timeout_error", code="request_timeout")
+    if isinstance(e, RequestFailedError):
+        return OpenAIError(str(e), status=500, type="server_error", code="generation_failed")
+    return None
+
+
+def _raise_engine_error(e: BaseException) -> None:
+    mapped = engine_error(e) if isinstance(e, Exception) else None
+    if mapped is not None:
+        raise mapped from e
 
 
 # ---- request parsing ------------------------------------------------------------------------------
@@ -146,6 +171,13 @@ def _reject_unsupported(body: dict) -> None:
         raise OpenAIError("only response_format {\"type\": \"text\"} is supported", "response_format")
 
 
+def _timeout(body: dict) -> float | None:
+    timeout = _get(body, "timeout", (int, float), "a number of seconds")
+    if timeout is not None and timeout <= 0:
+        raise OpenAIError(f"'timeout' must be > 0 seconds, got {timeout!r}", "timeout")
+    return timeout
+
+
 def _completion_prompts(body: dict) -> list[str | list[int]]:
     prompt = body.get("prompt")
     is_ids = lambda p: isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
@@ -215,6 +247,7 @@ class OpenAIServing:
     # ---- endpoints --------------------------------------------------------------------------------
     async def completions(self, body: Any) -> dict | AsyncIterator[str]:
         _check_fields(body, COMPLETION_FIELDS)
+        timeout = _timeout(body)
         self._check_model(body)
         _reject_unsupported(body)
         prompts = _completion_prompts(body)
@@ -222,10 +255,12 @@ class OpenAIServing:
         include_usage = _stream_options(body, stream)
         logprobs = _get(body, "logprobs", int, "an integer (the number of top logprobs)")
         params = _sampling_params(body, _get(body, "max_tokens", int, "an integer", 16), logprobs, {})
-        return await self._run("cmpl", "text_completion", prompts, params, stream, include_usage, chat=False)
+        return await self._run("cmpl", "text_completion", prompts, params, stream, include_usage, chat=False,
+                               timeout=timeout)
 
     async def chat_completions(self, body: Any) -> dict | AsyncIterator[str]:
         _check_fields(body, CHAT_FIELDS)
+        timeout = _timeout(body)
         self._check_model(body)
         _reject_unsupported(body)
         messages = _chat_messages(body)
@@ -244,7 +279,8 @@ class OpenAIServing:
                                                              return_dict=False))
         except Exception as e:  # the template itself refuses (e.g. role order)
             raise OpenAIError(f"the chat template rejected 'messages': {e}", "messages") from e
-        return await self._run("chatcmpl", "chat.completion", [prompt], params, stream, include_usage, chat=True)
+        return await self._run("chatcmpl", "chat.completion", [prompt], params, stream, include_usage, chat=True,
+                               timeout=timeout)
 
     # ---- the engine side ----------------------------------------------------------------------------
     def _check_model(self, body: dict) -> None:
@@ -254,10 +290,10 @@ class OpenAIServing:
                               status=404, code="model_not_found")
 
     async def _run(self, prefix: str, obj: str, prompts: list, params: SamplingParams, stream: bool,
-                   include_usage: bool, chat: bool) -> dict | AsyncIterator[str]:
+                   include_usage: bool, chat: bool, timeout: float | None = None) -> dict | AsyncIterator[str]:
         rid = f"{prefix}-{uuid.uuid4().hex}"
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
-        gens = [self.engine.generate(p, params, f"{rid}-{i}", kind) for i, p in enumerate(prompts)]
+        gens = [self.engine.generate(p, params, f"{rid}-{i}", kind, timeout=timeout) for i, p in enumerate(prompts)]
         try:
             # Start every request now: invalid input (e.g. a prompt over the context) raises here,
             # before a streamed response has begun.
@@ -267,13 +303,17 @@ class OpenAIServing:
             param = ("messages" if chat else "prompt") if e.field == "prompt" else e.field
             message = str(e) if param in str(e) else f"'{param}': {e}"
             raise OpenAIError(message, param) from e
-        except BaseException:
+        except BaseException as e:
             await _close_all(gens)
+            _raise_engine_error(e)
             raise
         if stream:
             return self._stream(rid, obj + ".chunk" if chat else obj, gens, firsts, params, include_usage, chat)
         try:
             finals = [first if first.finished else await _last(g) for g, first in zip(gens, firsts)]
+        except Exception as e:
+            _raise_engine_error(e)
+            raise
         finally:
             await _close_all(gens)
         return self._response(rid, obj, finals, params, chat)
@@ -337,8 +377,8 @@ class OpenAIServing:
                 yield chunk([], _usage(finals, sum(st.num_tokens for st in choices.values())))
         except InvalidRequestError as e:  # refused by the engine thread after the first output
             yield sse(OpenAIError(str(e), e.field).body())
-        except Exception as e:  # the engine failed this request: tell the client, end the stream
-            yield sse(OpenAIError(f"generation failed: {e}", type="server_error", status=500).body())
+        except Exception as e:  # the engine ended this request (timeout, a failed step): tell the client, end
+            yield sse((engine_error(e) or OpenAIError(f"generation failed: {e}", type="server_error", status=500)).body())
         finally:
             await _close_all(gens)
         yield sse("[DONE]")

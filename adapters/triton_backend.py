@@ -14,6 +14,10 @@ Metrics: the engine's pagedcore:* gauges, counters and histograms (pagedcore/met
 names as the BentoML door) on Triton's /metrics through the Python backend's custom metrics API
 (pb_utils.MetricFamily).
 
+Limits live in the engine (README "Limits and failure behaviour"); errors map to INVALID_ARG (bad or
+too large input), UNAVAILABLE (overload, a request past its Triton timeout, shutting down, unhealthy),
+CANCELLED (a cancelled request; its engine request is aborted within a step), INTERNAL (a failed step).
+
 Engine settings: model.json beside model.py (or beside config.pbtxt), overridden key by key by the
 JSON object in $PAGEDCORE_TRITON_SETTINGS.
 """
@@ -33,6 +37,7 @@ import triton_python_backend_utils as pb_utils
 
 from pagedcore.adapters.triton_launcher import SETTINGS_ENV
 from pagedcore.async_engine import AsyncLLMEngine
+from pagedcore.limits import OverloadedError, RequestTimeoutError
 from pagedcore.metrics import METRICS, MetricsPublisher, Update
 from pagedcore.outputs import OutputKind, RequestOutput
 from pagedcore.sampling_params import InvalidRequestError
@@ -40,6 +45,7 @@ from pagedcore.sampling_params import InvalidRequestError
 SETTINGS_FILE = "model.json"
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 METRICS_INTERVAL_S = 0.25
+CANCEL_POLL_S = 0.05  # how often a request with no output yet (queued) is checked for cancellation
 
 
 def load_settings(model_dir: Path, version: str) -> dict:
@@ -60,6 +66,7 @@ class GenerateRequest:
     prepend_input: bool
     return_num_input_tokens: bool
     return_num_output_tokens: bool
+    timeout: float | None = None  # seconds: the request's Triton timeout (`timeout` in the client call)
 
 
 def _scalar(request, name: str):
@@ -77,11 +84,15 @@ def _flag(request, name: str) -> bool | None:
     return None if value is None else bool(value)
 
 
-def _text(value) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+def _text(value, name: str = "text_input") -> str:
+    try:
+        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    except UnicodeDecodeError as e:
+        raise InvalidRequestError(f"{name}: not valid UTF-8 ({e})", name) from e
 
 
-def parse_request(request) -> GenerateRequest:
+def parse_request(request, load_json=json.loads) -> GenerateRequest:
+    """`load_json(raw, field)`: the engine's bounded parser (payload_limit, max_json_depth)."""
     text = _scalar(request, "text_input")
     if text is None:
         raise InvalidRequestError("text_input: missing (a string input is required)", "text_input")
@@ -89,7 +100,10 @@ def parse_request(request) -> GenerateRequest:
     params = {}
     if raw_params is not None:
         try:
-            params = json.loads(_text(raw_params))
+            params = load_json(raw_params if isinstance(raw_params, bytes) else _text(raw_params, "sampling_parameters"),
+                               "sampling_parameters")
+        except InvalidRequestError:
+            raise
         except ValueError as e:
             raise InvalidRequestError(f"sampling_parameters: not valid JSON ({e})", "sampling_parameters") from e
     stream = bool(_flag(request, "stream"))
@@ -98,8 +112,9 @@ def parse_request(request) -> GenerateRequest:
     if stream and prepend:
         raise InvalidRequestError("exclude_input_in_output: false is not supported with stream=true",
                                   "exclude_input_in_output")
+    timeout_us = request.timeout()  # 0: none
     return GenerateRequest(_text(text), params, stream, prepend, bool(_flag(request, "return_num_input_tokens")),
-                           bool(_flag(request, "return_num_output_tokens")))
+                           bool(_flag(request, "return_num_output_tokens")), timeout_us / 1e6 if timeout_us else None)
 
 
 def error_message(e: InvalidRequestError) -> str:
@@ -107,6 +122,8 @@ def error_message(e: InvalidRequestError) -> str:
     msg = str(e)
     if e.field in ("text_input", "sampling_parameters", "exclude_input_in_output") and msg.startswith(e.field):
         return msg  # raised above, already named
+    if e.field == "sampling_parameters":
+        return f"sampling_parameters: {msg}"
     if e.field in ("prompt", "text_input"):
         return f"text_input: {msg}"
     if e.field in (None, "sampling_params", "sampling_parameters"):
@@ -178,7 +195,10 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise ValueError("the pagedcore model needs `model_transaction_policy { decoupled: true }`")
         settings = load_settings(Path(args["model_repository"]), args["model_version"])
-        pb_utils.Logger.log_info(f"pagedcore engine settings: {settings}")
+        import pagedcore
+
+        pb_utils.Logger.log_info(f"pagedcore engine settings: {settings} (pagedcore from {Path(pagedcore.__file__).parent}, "
+                                 f"this backend from {Path(__file__).parent})")
         self.engine = AsyncLLMEngine.from_settings(**settings)
         self.loop = asyncio.new_event_loop()
         self.loop_thread = threading.Thread(target=self.loop.run_forever, name="pagedcore-triton-loop", daemon=True)
@@ -193,12 +213,24 @@ class TritonPythonModel:
         return None  # decoupled: responses go through each request's sender
 
     async def generate(self, request) -> None:
+        """Serve one request; a cancellation seen while it waits for output (queued, or between
+        tokens) cancels the serving task, which closes its stream and aborts the engine request."""
         sender = request.get_response_sender()
+        task = asyncio.ensure_future(self._serve(request, sender))
+        while not task.done():
+            await asyncio.wait({task}, timeout=CANCEL_POLL_S)
+            if not task.done() and request.is_cancelled():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                self._send_error(sender, "request cancelled", pb_utils.TritonError.CANCELLED)
+
+    async def _serve(self, request, sender) -> None:
         try:
-            r = parse_request(request)
+            r = parse_request(request, self.engine.engine.load_json)
             kind = OutputKind.DELTA if r.stream else OutputKind.CUMULATIVE  # CUMULATIVE: the last one holds it all
             # aclosing: leaving the loop early closes the stream at once, which aborts the engine request.
-            async with aclosing(self.engine.generate(r.prompt, r.sampling_params, output_kind=kind)) as outputs:
+            async with aclosing(self.engine.generate(r.prompt, r.sampling_params, output_kind=kind,
+                                                     timeout=r.timeout)) as outputs:
                 async for out in outputs:
                     if request.is_cancelled():
                         sender.send(error_response("request cancelled", pb_utils.TritonError.CANCELLED), flags=FINAL)
@@ -207,6 +239,10 @@ class TritonPythonModel:
                         sender.send(make_response(r, out), flags=FINAL if out.finished else 0)
         except InvalidRequestError as e:
             self._send_error(sender, error_message(e), pb_utils.TritonError.INVALID_ARG)
+        except RequestTimeoutError as e:  # Triton's own word for it: "Request timeout expired"
+            self._send_error(sender, f"Request timeout expired: {e}", pb_utils.TritonError.UNAVAILABLE)
+        except OverloadedError as e:  # overload, shutting down, unhealthy: retry later (or elsewhere)
+            self._send_error(sender, f"{e} (retry after {e.retry_after:g} s)", pb_utils.TritonError.UNAVAILABLE)
         except Exception as e:
             pb_utils.Logger.log_error(f"pagedcore request failed: {type(e).__name__}: {e}")
             self._send_error(sender, f"{type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)
@@ -219,8 +255,10 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn(f"pagedcore could not send an error response ({message}): {e}")
 
     def finalize(self) -> None:
+        # Stop admitting, give the requests in flight the grace period; then open streams end with
+        # EngineDeadError -> an UNAVAILABLE response each.
+        self.engine.shutdown(self.engine.config.shutdown_grace_period)
         self.metrics.close()
-        self.engine.shutdown()  # open streams end with EngineDeadError -> an error response each
         asyncio.run_coroutine_threadsafe(_drain(), self.loop).result(timeout=15)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.loop_thread.join(timeout=10)

@@ -110,4 +110,5 @@ def load_json(raw: str | bytes, field: str | None, payload_limit: int, max_json_
     except (ValueError, UnicodeDecodeError) as e:
         if isinstance(e, InvalidRequestError):
             raise
-        raise InvalidRequestError(f"{field or 'the request body'} is not valid JSON: {e}", field) from e
+        message = f"{field}: not valid JSON ({e})" if field else f"the request body is not valid JSON: {e}"
+        raise InvalidRequestError(message, field) from e

@@ -154,6 +154,14 @@ class LLMEngine:
             self.reject(e)
             raise
 
+    def check_payload(self, num_bytes: int, field: str | None = None) -> None:
+        """Refuse (counted) a request of more than payload_limit bytes, e.g. by its Content-Length."""
+        if num_bytes > self.config.payload_limit:
+            e = LimitExceededError(f"{field or 'the request body'} has {num_bytes} bytes, over payload_limit "
+                                   f"({self.config.payload_limit})", field, "payload_limit")
+            self.reject(e)
+            raise e
+
     def _process_prompt(self, prompt, params) -> ProcessedPrompt:
         params = self._check_params(params)
         if isinstance(prompt, str):

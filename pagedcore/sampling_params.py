@@ -89,7 +89,8 @@ class SamplingParams:
                     "presence_penalty", "must be in [-2, 2]")
         self._check(isinstance(self.frequency_penalty, num) and -2 <= self.frequency_penalty <= 2,
                     "frequency_penalty", "must be in [-2, 2]")
-        self._check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        self._check(self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**63), "seed",
+                    "must be a 64-bit integer")
         self._check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
                     "max_tokens", "must be an integer >= 1")
         self._check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
