@@ -59,8 +59,8 @@ def make_requests(cfg: SoakConfig) -> list[SoakRequest]:
     out = []
     for i in range(cfg.requests):
         too_long = rng.random() < cfg.too_long_rate
-        # A word is at least one token: 2x the limit in words is surely over it.
-        n_words = cfg.max_input_tokens * 2 if too_long else rng.choice([1, 4, 16, 64, 120])
+        # A word is one to three tokens: a third of the limit in words stays under it.
+        n_words = cfg.max_input_tokens * 2 if too_long else rng.choice([1, 4, 16, max(1, cfg.max_input_tokens // 3)])
         out.append(SoakRequest(
             index=i, prompt=" ".join(rng.choice(WORDS) for _ in range(n_words)),
             max_tokens=rng.randint(1, cfg.max_output), stream=rng.random() < 0.5, too_long=too_long,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,11 +108,12 @@ class OpenAISoakClient:
 
 # ---- Triton: the decoupled gRPC stream ----------------------------------------------------------------
 def classify_triton(e: Exception) -> tuple[str, str]:
-    """Triton's stream carries an error's message, not its code: the backend names the code in it."""
-    message = str(e)
-    if "UNAVAILABLE" in message:
+    """By the error's status where the client has it; a decoupled stream's error carries only its
+    message, in which the backend names the limit (`over max_input_tokens`) or says `overloaded`."""
+    status, message = str(getattr(e, "status", lambda: "")() or ""), str(e)
+    if "UNAVAILABLE" in status or "overloaded" in message:
         return "rejected", "overload"
-    if "INVALID_ARG" in message:
+    if "INVALID_ARG" in status or re.search(r"over max_\w+ \(", message):
         return "rejected", "invalid"
     return "failed", f"{type(e).__name__}: {message[:200]}"
 
