@@ -148,19 +148,26 @@ async def _json_body(request: Request, engine) -> object:
 
 
 async def _unless_disconnected(request: Request, coro) -> object:
-    """Run `coro`; cancel it (aborting its engine request) if the client goes away first."""
+    """Run `coro`; cancel it (aborting its engine request) the moment the client goes away: the
+    ASGI disconnect message is awaited, not polled, so the abort lands before the next step."""
     task = asyncio.ensure_future(coro)
+    gone = asyncio.ensure_future(_disconnect(request))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                raise OpenAIError("client disconnected", status=499)
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        raise OpenAIError("client disconnected", status=499)
     finally:
-        if not task.done():
-            task.cancel()
+        for t in (task, gone):
+            if not t.done():
+                t.cancel()
+
+
+async def _disconnect(request: Request) -> None:
+    """Return when the client disconnects (the body has been read: nothing else can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class _SSEResponse(StreamingResponse):

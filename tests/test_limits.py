@@ -303,6 +303,11 @@ def test_repeated_step_failures_mark_the_engine_unhealthy_instead_of_spinning(mo
     with pytest.raises(EngineDeadError, match="unhealthy"):
         engine.add_request("next", ids(8), greedy(4))
     assert rejected(engine)["unavailable"] == 1
+    aeng = AsyncLLMEngine(engine)  # what /readyz reads
+    try:
+        assert not aeng.healthy
+    finally:
+        aeng.shutdown()
     assert_clean(engine)
 
 

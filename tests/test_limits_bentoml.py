@@ -204,6 +204,21 @@ def test_a_request_past_its_timeout_is_a_408_or_an_error_event_and_is_aborted(se
     assert_serves(base, client, model)
 
 
+# ---- disconnects ----------------------------------------------------------------------------------------------------
+def test_a_non_streaming_client_that_hangs_up_is_aborted_at_once(served, client):
+    base, model, _ = served
+    time.sleep(1.0)  # the metrics of earlier tests are pushed (every 0.5 s) before the baseline
+    before = samples(base)
+    body = {"model": model, "messages": USER, "temperature": 0, "max_tokens": 470, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base}/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=0.3))
+    m = wait_metrics(base, lambda m: aborted(m, "client") == aborted(before, "client") + 1
+                     and m["pagedcore:kv_cache_used_blocks"] == 0)
+    generated = m["pagedcore:generation_tokens_total"] - before["pagedcore:generation_tokens_total"]
+    assert generated < 470, "the request ran to its end after the client left"
+    assert_serves(base, client, model)
+
+
 # ---- graceful shutdown (last: it stops the module's server) ------------------------------------------------------
 def test_sigterm_lets_the_request_in_flight_finish_and_the_server_exits_0(served):
     base, model, proc = served

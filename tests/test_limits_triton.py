@@ -241,3 +241,8 @@ def test_a_request_past_its_triton_timeout_is_aborted_and_unavailable(server):
     m = wait_metrics(server, lambda m: m['pagedcore:requests_aborted_total{reason="timeout"}'] >= 1
                      and m["pagedcore:kv_cache_used_blocks"] == 0)
     assert m["pagedcore:num_requests_running"] == 0
+
+
+# ---- shutdown (last: it stops the module's server) ----------------------------------------------------------
+def test_sigterm_unloads_the_model_and_tritonserver_exits_0(server):
+    assert server.stop(timeout=60) == 0
