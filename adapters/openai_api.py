@@ -200,7 +200,7 @@ def _chat_messages(body: dict) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         param = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in _CHAT_ROLES:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in _CHAT_ROLES:
             raise OpenAIError(f"{param} must be an object with a role in {sorted(_CHAT_ROLES)}, got {m!r}", param)
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
@@ -285,6 +285,8 @@ class OpenAIServing:
     # ---- the engine side ----------------------------------------------------------------------------
     def _check_model(self, body: dict) -> None:
         model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise OpenAIError("'model' must be a string", "model")
         if model is not None and model not in self.accepted_names:
             raise OpenAIError(f"The model `{model}` does not exist. Available: {self.model_name}", "model",
                               status=404, code="model_not_found")

@@ -134,10 +134,13 @@ def test_hostile_field_values_are_refused_or_served(http, model, chat, field, va
     b'{"model": "m", "prompt": "hi", "max_tokens": 1e999}', ('{"model": "m", "prompt": ' + _nested(50_000) + "}").encode(),
     b'{"model": "m", "prompt": "hi", "n": 100000}', b'{"model": "m", "prompt": "hi", "best_of": 100000}',
     b'{"model": "m", "prompt": "hi", "max_tokens": 10000000}', b"{" + b'"a":1,' * 200_000 + b'"b":2}',
+    b'{"model": [], "prompt": "0", "stream": 0.0}', b'{"model": {"a": 1}, "prompt": "hi"}',
+    b'{"model": "m", "messages": [{"role": [], "content": "hi"}]}',
 ], ids=["invalid-utf8", "invalid-utf8-in-string", "truncated", "null", "array", "number", "overflow-float",
-        "deep-nesting", "huge-n", "huge-best-of", "huge-max-tokens", "huge-object"])
+        "deep-nesting", "huge-n", "huge-best-of", "huge-max-tokens", "huge-object",
+        "model-list", "model-object", "chat-role-list"])
 def test_hostile_raw_bodies_are_refused_or_served(http, model, raw):
-    r = http.post("/v1/completions", content=raw.replace(b'"m"', json.dumps(model).encode()),
+    r = http.post("/v1/chat/completions" if b'"messages"' in raw else "/v1/completions", content=raw.replace(b'"m"', json.dumps(model).encode()),
                   headers={"content-type": "application/json"})
     assert_answered(r)
 
