@@ -10,7 +10,7 @@ from pagedcore import cli
 def test_bench_spec_writes_speedups_acceptance_and_the_threshold(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "spec.json"
     rc = cli.main(["bench", "spec", "--model", str(tiny_model_dir("llama")), "--batch-sizes", "1,2",
-                   "--max-tokens", "6", "--num-kv-blocks", "128", "--prompts", "grounded", "--json", str(out)])
+                   "--max-tokens", "6", "--repeats", "1", "--num-kv-blocks", "128", "--prompts", "grounded", "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["bench"] == "spec" and report["speculative_config"]["method"] == "ngram"

@@ -322,7 +322,7 @@ def test_a_draft_with_another_vocabulary_is_refused(model_dir, tiny_model_dir):
 
 
 def test_policy_speculates_only_where_the_measured_cost_pays():
-    costs = StepCosts([1, 4, 16], [0.010, 0.012, 0.020], [0.011, 0.024, 0.080])  # ratios 1.1, 2, 4
+    costs = StepCosts([1, 4, 16], [0.010, 0.012, 0.020], [0.011, 0.024, 0.080])  # ratios 1.1, 2, 4 (x 1.1 margin)
     policy = SpecPolicy(4, None, costs)  # optimistic start: 3 tokens per verified sequence
     assert policy.should_speculate(1) and policy.should_speculate(3) and not policy.should_speculate(16)
     assert not policy.should_speculate(17)  # past the table

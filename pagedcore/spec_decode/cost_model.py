@@ -113,6 +113,7 @@ class SpecPolicy:
     """Whether to speculate at a batch size: fixed (`disable_by_batch_size`) or measured."""
 
     PROBE_EVERY = 16  # steps between probes while speculation does not pay
+    MARGIN = 1.1  # the measured ratio leaves out proposing and rejection sampling: ask for 10% more
     EMA = 0.1  # weight of one step's acceptance in the running estimate
 
     def __init__(self, k: int, disable_by_batch_size: int | None, costs: StepCosts | None):
@@ -126,7 +127,7 @@ class SpecPolicy:
         ratio = self.costs.ratio(batch_size)
         if ratio is None:
             return False
-        if self.tokens_per_verify > ratio:
+        if self.tokens_per_verify > ratio * self.MARGIN:
             self._steps_off = 0
             return True
         self._steps_off += 1
@@ -142,5 +143,5 @@ class SpecPolicy:
         if self.fixed is not None:
             return self.fixed - 1
         ok = [b for b, d, v in zip(self.costs.batch_sizes, self.costs.decode_s, self.costs.verify_s)
-              if self.tokens_per_verify > v / d]
+              if self.tokens_per_verify > v / d * self.MARGIN]
         return max(ok, default=0)
