@@ -58,7 +58,8 @@ _OPENAI_MAPPED = {"n", "temperature", "top_p", "presence_penalty", "frequency_pe
                   "stop", "logprobs"}
 ENGINE_EXTRAS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - _OPENAI_MAPPED
 _COMMON = {"model", "stream", "stream_options", "n", "temperature", "top_p", "presence_penalty", "frequency_penalty",
-           "seed", "max_tokens", "stop", "logprobs", "logit_bias", "user", "timeout"}
+           "seed", "max_tokens", "stop", "logprobs", "logit_bias", "user", "timeout",
+           "priority", "cache_salt"}  # vLLM's request extras: admission order, a tenant's own prefix cache
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
                          "functions", "function_call", "parallel_tool_calls", "store", "metadata", "service_tier",
@@ -178,6 +179,12 @@ def _timeout(body: dict) -> float | None:
     return timeout
 
 
+def _request_options(body: dict) -> dict:
+    """vLLM's per-request extras, checked by the engine (priority needs the "priority" policy)."""
+    return {"timeout": _timeout(body), "priority": _get(body, "priority", int, "an integer", 0),
+            "cache_salt": _get(body, "cache_salt", str, "a string")}
+
+
 def _completion_prompts(body: dict) -> list[str | list[int]]:
     prompt = body.get("prompt")
     is_ids = lambda p: isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
@@ -247,7 +254,7 @@ class OpenAIServing:
     # ---- endpoints --------------------------------------------------------------------------------
     async def completions(self, body: Any) -> dict | AsyncIterator[str]:
         _check_fields(body, COMPLETION_FIELDS)
-        timeout = _timeout(body)
+        options = _request_options(body)
         self._check_model(body)
         _reject_unsupported(body)
         prompts = _completion_prompts(body)
@@ -256,11 +263,11 @@ class OpenAIServing:
         logprobs = _get(body, "logprobs", int, "an integer (the number of top logprobs)")
         params = _sampling_params(body, _get(body, "max_tokens", int, "an integer", 16), logprobs, {})
         return await self._run("cmpl", "text_completion", prompts, params, stream, include_usage, chat=False,
-                               timeout=timeout)
+                               options=options)
 
     async def chat_completions(self, body: Any) -> dict | AsyncIterator[str]:
         _check_fields(body, CHAT_FIELDS)
-        timeout = _timeout(body)
+        options = _request_options(body)
         self._check_model(body)
         _reject_unsupported(body)
         messages = _chat_messages(body)
@@ -280,7 +287,7 @@ class OpenAIServing:
         except Exception as e:  # the template itself refuses (e.g. role order)
             raise OpenAIError(f"the chat template rejected 'messages': {e}", "messages") from e
         return await self._run("chatcmpl", "chat.completion", [prompt], params, stream, include_usage, chat=True,
-                               timeout=timeout)
+                               options=options)
 
     # ---- the engine side ----------------------------------------------------------------------------
     def _check_model(self, body: dict) -> None:
@@ -292,10 +299,10 @@ class OpenAIServing:
                               status=404, code="model_not_found")
 
     async def _run(self, prefix: str, obj: str, prompts: list, params: SamplingParams, stream: bool,
-                   include_usage: bool, chat: bool, timeout: float | None = None) -> dict | AsyncIterator[str]:
+                   include_usage: bool, chat: bool, options: dict) -> dict | AsyncIterator[str]:
         rid = f"{prefix}-{uuid.uuid4().hex}"
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
-        gens = [self.engine.generate(p, params, f"{rid}-{i}", kind, timeout=timeout) for i, p in enumerate(prompts)]
+        gens = [self.engine.generate(p, params, f"{rid}-{i}", kind, **options) for i, p in enumerate(prompts)]
         try:
             # Start every request now: invalid input (e.g. a prompt over the context) raises here,
             # before a streamed response has begun.

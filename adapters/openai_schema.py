@@ -40,6 +40,11 @@ _SAMPLING = {
     "min_tokens": _nullable({**_INT, "minimum": 0}),
     "ignore_eos": _nullable(_BOOL),
     "stop_token_ids": _nullable({"type": "array", "items": {**_INT, "minimum": 0}}),
+    # request extras (vLLM's): seconds to the deadline, admission order (lower first; needs the engine's
+    # "priority" scheduling policy), a tenant's salt keeping its prefix cache apart
+    "timeout": _nullable({**_NUM, "exclusiveMinimum": True, "minimum": 0}),
+    "priority": _nullable(_INT),
+    "cache_salt": _nullable({**_STR, "minLength": 1}),
 }
 
 _COMPLETION = {

@@ -8,7 +8,8 @@ batching, validation, KV blocks and aborts; this file turns tensors into a promp
 and outputs back into tensors.
 
 Inputs: text_input (string), stream, exclude_input_in_output, return_num_input_tokens,
-return_num_output_tokens (bool), sampling_parameters (JSON of SamplingParams).
+return_num_output_tokens (bool), sampling_parameters (JSON of SamplingParams, plus vLLM's request
+extras `priority` and `cache_salt`).
 Outputs: text_output, finish_reason (final response), num_input_tokens, num_output_tokens.
 Metrics: the engine's pagedcore:* gauges, counters and histograms (pagedcore/metrics.py, the same
 names as the BentoML door) on Triton's /metrics through the Python backend's custom metrics API
@@ -67,6 +68,8 @@ class GenerateRequest:
     return_num_input_tokens: bool
     return_num_output_tokens: bool
     timeout: float | None = None  # seconds: the request's Triton timeout (`timeout` in the client call)
+    priority: int = 0  # vLLM's request extras, read from sampling_parameters beside the sampling fields
+    cache_salt: str | None = None
 
 
 def _scalar(request, name: str):
@@ -106,6 +109,8 @@ def parse_request(request, load_json=json.loads) -> GenerateRequest:
             raise
         except ValueError as e:
             raise InvalidRequestError(f"sampling_parameters: not valid JSON ({e})", "sampling_parameters") from e
+    extras = ({k: v for k in ("priority", "cache_salt") if (v := params.pop(k, None)) is not None}
+              if isinstance(params, dict) else {})
     stream = bool(_flag(request, "stream"))
     exclude = _flag(request, "exclude_input_in_output")
     prepend = not stream if exclude is None else not exclude  # as in the vLLM backend
@@ -114,7 +119,8 @@ def parse_request(request, load_json=json.loads) -> GenerateRequest:
                                   "exclude_input_in_output")
     timeout_us = request.timeout()  # 0: none
     return GenerateRequest(_text(text), params, stream, prepend, bool(_flag(request, "return_num_input_tokens")),
-                           bool(_flag(request, "return_num_output_tokens")), timeout_us / 1e6 if timeout_us else None)
+                           bool(_flag(request, "return_num_output_tokens")), timeout_us / 1e6 if timeout_us else None,
+                           **extras)
 
 
 def error_message(e: InvalidRequestError) -> str:
@@ -229,8 +235,8 @@ class TritonPythonModel:
             r = parse_request(request, self.engine.engine.load_json)
             kind = OutputKind.DELTA if r.stream else OutputKind.CUMULATIVE  # CUMULATIVE: the last one holds it all
             # aclosing: leaving the loop early closes the stream at once, which aborts the engine request.
-            async with aclosing(self.engine.generate(r.prompt, r.sampling_params, output_kind=kind,
-                                                     timeout=r.timeout)) as outputs:
+            async with aclosing(self.engine.generate(r.prompt, r.sampling_params, output_kind=kind, timeout=r.timeout,
+                                                     priority=r.priority, cache_salt=r.cache_salt)) as outputs:
                 async for out in outputs:
                     if request.is_cancelled():
                         sender.send(error_response("request cancelled", pb_utils.TritonError.CANCELLED), flags=FINAL)

@@ -222,7 +222,7 @@ class LLMEngine:
         request_id = str(next(self._request_counter)) if request_id is None else request_id
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        self._check_priority(priority)
+        self.check_request_options(priority, cache_salt)
         self.check_capacity(len(self.requests))
         params = p.params
         if (params.best_of or params.n) > params.n or params.use_beam_search:
@@ -520,7 +520,10 @@ class LLMEngine:
                                          f"({c.max_stop_sequences})", name, "max_stop_sequences")
         return params
 
-    def _check_priority(self, priority) -> None:
+    def check_request_options(self, priority, cache_salt) -> None:
+        """The per-request options beside the sampling parameters (vLLM's `priority`, `cache_salt`)."""
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError(f"cache_salt must be a non-empty string, got {cache_salt!r}", "cache_salt")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}", "priority")
         if priority and not getattr(self.scheduler.policy, "uses_priority", False):

@@ -333,6 +333,9 @@ BAD = {  # name: (route, body, status, param)
                            "top_logprobs"),
     "max-tokens-zero": ("completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
     "bad-engine-extra": ("completions", {"model": MODEL, "prompt": "Hi", "top_k": -3}, 400, "top_k"),
+    "priority-under-fcfs": ("completions", {"model": MODEL, "prompt": "Hi", "priority": 2}, 400, "priority"),
+    "cache-salt-not-string": ("chat/completions", {"model": MODEL, "messages": user("Hi"), "cache_salt": 7}, 400,
+                              "cache_salt"),
 }
 
 

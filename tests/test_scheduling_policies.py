@@ -1,14 +1,17 @@
 """Scheduling policies (admission order, preemption victims), request priorities and cache salts."""
 
+import asyncio
 import gc
 import weakref
 
 import pytest
 
 from pagedcore import LLM, SamplingParams
+from pagedcore.async_engine import AsyncLLMEngine
 from pagedcore.config import EngineConfig
 from pagedcore.kv_cache_manager import KVCacheManager
 from pagedcore.llm_engine import LLMEngine
+from pagedcore.outputs import OutputKind
 from pagedcore.sampling_params import InvalidRequestError
 from pagedcore.scheduler import SampledOutput, Scheduler, SequenceSample
 from pagedcore.scheduling_policies import FCFSPolicy, PriorityPolicy
@@ -145,3 +148,37 @@ def test_llm_generate_takes_one_priority_per_prompt(tiny):
     with pytest.raises(InvalidRequestError):
         fcfs.generate([[5, 6, 7], [8, 9, 10]], greedy, priority=[0, 1])
     assert not fcfs.engine.requests and fcfs.engine.kv.num_free_blocks == fcfs.engine.kv.num_blocks
+
+
+def test_async_engine_passes_priority_and_cache_salt_to_the_engine(tiny):
+    """The front doors' path: AsyncLLMEngine.generate(priority=, cache_salt=) reaches add_request."""
+    greedy = SamplingParams(max_tokens=2, temperature=0.0)
+    long = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+
+    async def finals(engine, jobs):
+        async def one(rid, prompt, **kw):
+            params = long if rid == "blocker" else greedy
+            async for out in engine.generate(prompt, params, rid, OutputKind.FINAL_ONLY, **kw):
+                last = out
+            return last
+        return await asyncio.gather(*(one(*job[:2], **job[2]) for job in jobs))
+
+    async def main():
+        async with AsyncLLMEngine(LLMEngine(model=tiny, num_kv_blocks=64, block_size=8, scheduling_policy="priority",
+                                            max_num_seqs=1)) as engine:
+            with pytest.raises(InvalidRequestError) as e:
+                await anext(engine.generate([5, 6], greedy, cache_salt=""))
+            assert e.value.field == "cache_salt"
+            prompt = list(range(100, 140))  # 5 full blocks
+            salted = await finals(engine, [("a1", prompt, {"cache_salt": "a"})])
+            again = await finals(engine, [("b1", prompt, {"cache_salt": "b"}), ("a2", prompt, {"cache_salt": "a"})])
+            # max_num_seqs=1: the others queue behind a long request, then run in priority order
+            blocker = ("blocker", [5, 6], {"priority": 0})
+            ordered = await finals(engine, [blocker] + [(f"p{p}", [7 + p, 8, 9], {"priority": p}) for p in (3, -2, 0)])
+            return salted, again, ordered, engine.engine
+
+    salted, (b1, a2), ordered, eng = asyncio.run(main())
+    assert salted[0].num_cached_tokens == 0 and b1.num_cached_tokens == 0 and a2.num_cached_tokens >= 32
+    firsts = {o.request_id: o.metrics.first_token_time for o in ordered}
+    assert firsts["p-2"] < firsts["p0"] < firsts["p3"], firsts
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks

@@ -364,6 +364,8 @@ BAD_INPUTS = {
     "empty prompt": (dict(prompt="", params=greedy(4)), "text_input"),
     "streaming with the input": (dict(prompt="Hi", params=greedy(4), exclude_input_in_output=False),
                                  "exclude_input_in_output"),
+    "priority under fcfs": (dict(prompt="Hi", params={**greedy(4), "priority": 1}), "sampling_parameters.priority"),
+    "cache_salt not a string": (dict(prompt="Hi", params={**greedy(4), "cache_salt": 5}), "sampling_parameters.cache_salt"),
 }
 
 
