@@ -28,7 +28,6 @@ One worker: the engine batches every request itself, so a second worker would on
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import typing

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from pagedcore import LLMEngine
 from pagedcore.bench import linears, step_profile

@@ -9,10 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -22,23 +18,17 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("bentoml")
 
 from conftest import CHAT_PROMPTS  # noqa: E402
+from servers import SERVICE, bentoml_serve, stop, wait_ready  # noqa: E402
 from pagedcore import SamplingParams  # noqa: E402
 from pagedcore.metrics import METRICS  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-SERVICE = "pagedcore.adapters.bentoml_service:PagedCore"
 MODEL = "SmolLM2-135M-Instruct"
 # The server and the offline reference run the same engine settings; one torch thread each, since
 # oversubscribed threads on a small shared machine make every step many times slower.
 SETTINGS = dict(dtype="float32", num_kv_blocks=256, max_num_seqs=64, max_model_len=1024, num_threads=1)
 STARTUP_TIMEOUT = 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
@@ -55,48 +45,13 @@ def server(tmp_path_factory, request):
     from pagedcore.model_loader import resolve_model_dir
 
     resolve_model_dir(None)  # convert the bundled GGUF here, never inside the server
-    port = free_port()
-    home = tmp_path_factory.mktemp("bentoml")
-    env = {**os.environ, "BENTOML_HOME": str(home), "BENTOML_DO_NOT_TRACK": "True", "TOKENIZERS_PARALLELISM": "false",
-           **{f"PAGEDCORE_{k.upper()}": str(v) for k, v in SETTINGS.items()}}
-    log = open(home / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "bentoml", "serve", SERVICE, "--host", "127.0.0.1",
-                             "--port", str(port)], cwd=home, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # its own process group: its workers stop with it
-    base = f"http://127.0.0.1:{port}"
+    server = bentoml_serve(tmp_path_factory.mktemp("bentoml"), SETTINGS)
     try:
         request.getfixturevalue("offline")  # load the reference engine while the server starts
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while True:
-            assert proc.poll() is None, f"bentoml serve exited:\n{_tail(log)}"
-            assert time.monotonic() < deadline, f"not ready in {STARTUP_TIMEOUT} s:\n{_tail(log)}"
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        yield base
+        wait_ready(server, STARTUP_TIMEOUT)
+        yield server.url
     finally:
-        _stop(proc)
-        log.close()
-
-
-def _tail(log, n: int = 4000) -> str:
-    log.flush()
-    log.seek(0)
-    return log.read()[-n:]
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-    except ProcessLookupError:
-        pass
+        stop(server.process)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import asyncio
 import time
 
 import pytest
-import torch
 
 from pagedcore import InvalidRequestError, SamplingParams, hookimpl
 from pagedcore.async_engine import AsyncLLMEngine

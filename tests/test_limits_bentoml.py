@@ -13,8 +13,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -23,7 +21,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("bentoml")
 
-from test_bentoml_service import SERVICE, _stop, _tail, free_port  # noqa: E402
+from servers import bentoml_serve, stop, wait_ready  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -37,30 +35,12 @@ USER = [{"role": "user", "content": "Tell me a story"}]
 def served(tmp_path_factory, tiny_model_dir):
     """(base url, model name, the server process)."""
     model = tiny_model_dir("llama")
-    port = free_port()
-    home = tmp_path_factory.mktemp("bentoml-limits")
-    env = {**os.environ, "BENTOML_HOME": str(home), "BENTOML_DO_NOT_TRACK": "True", "TOKENIZERS_PARALLELISM": "false",
-           "PAGEDCORE_MODEL": str(model), **{f"PAGEDCORE_{k.upper()}": str(v) for k, v in SETTINGS.items()}}
-    log = open(home / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "bentoml", "serve", SERVICE, "--host", "127.0.0.1",
-                             "--port", str(port)], cwd=home, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    server = bentoml_serve(tmp_path_factory.mktemp("bentoml-limits"), {"model": model, **SETTINGS})
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while True:
-            assert proc.poll() is None, f"bentoml serve exited:\n{_tail(log)}"
-            assert time.monotonic() < deadline, f"not ready in {STARTUP_TIMEOUT} s:\n{_tail(log)}"
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        yield base, model.name, proc
+        wait_ready(server, STARTUP_TIMEOUT)
+        yield server.url, model.name, server.process
     finally:
-        _stop(proc)
-        log.close()
+        stop(server.process)
 
 
 @pytest.fixture(scope="module")

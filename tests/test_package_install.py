@@ -33,6 +33,8 @@ pytest.importorskip("pytriton")
 pytest.importorskip("bentoml")
 pytest.importorskip("setuptools")  # the build backend; --no-build-isolation keeps the build offline
 
+from pagedcore.bench.serve import free_ports  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,17 +50,6 @@ def run(cmd: list, **kw) -> subprocess.CompletedProcess:
     r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=300, **kw)
     assert r.returncode == 0, f"{cmd} exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     return r
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 # ---- build, install ---------------------------------------------------------------------------------------

@@ -387,7 +387,7 @@ def test_unknown_scheduling_policy(model_dir):
 
 
 def test_rejected_event_names_the_field(tiny_model_dir):
-    from pagedcore import LLM, InvalidRequestError, SamplingParams, hookimpl
+    from pagedcore import LLM, InvalidRequestError, hookimpl
 
     class Recorder:
         def __init__(self):

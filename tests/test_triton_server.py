@@ -10,7 +10,6 @@ import asyncio
 import json
 import queue
 import re
-import socket
 import time
 
 import numpy as np
@@ -22,6 +21,7 @@ aio = pytest.importorskip("tritonclient.grpc.aio")
 pytest.importorskip("pytriton")
 
 from pagedcore.adapters.triton_launcher import TritonServer  # noqa: E402
+from pagedcore.bench.serve import free_ports  # noqa: E402
 from pagedcore.metrics import METRICS  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -46,17 +46,6 @@ TIMEOUT = 180
 
 def greedy(max_tokens: int, **kw) -> dict:
     return {"temperature": 0, "max_tokens": max_tokens, **kw}
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 # ---- fixtures: the server starts, the offline references are computed while it loads --------------

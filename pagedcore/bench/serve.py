@@ -69,24 +69,24 @@ def launch_bentoml(settings: dict, workdir: Path) -> Server:
            "TOKENIZERS_PARALLELISM": "false", **{f"PAGEDCORE_{k.upper()}": str(v) for k, v in settings.items()}}
     cmd = [*PAGEDCORE, "serve-bentoml", "--host", "127.0.0.1", "--port", str(port)]
     base = f"http://127.0.0.1:{port}"
-    return Server(_spawn(cmd, env, workdir), base, f"{base}/readyz", workdir / "server.log", f"{base}/metrics")
+    return Server(spawn(cmd, env, workdir), base, f"{base}/readyz", workdir / "server.log", f"{base}/metrics")
 
 
 def launch_triton(settings: dict, workdir: Path) -> Server:
     """`pagedcore serve-triton`; engine settings travel as `--set KEY=JSON`. The command starts
-    tritonserver in its own process group (the one `_spawn` makes), so one group kill stops it all."""
+    tritonserver in its own process group (the one `spawn` makes), so one group kill stops it all."""
     http, grpc, metrics = free_ports(3)
     cmd = [*PAGEDCORE, "serve-triton", "--http-port", str(http), "--grpc-port", str(grpc),
            "--metrics-port", str(metrics), *(f"--set={k}={json.dumps(v)}" for k, v in settings.items())]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    return Server(_spawn(cmd, env, workdir), f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}/v2/health/ready",
+    return Server(spawn(cmd, env, workdir), f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}/v2/health/ready",
                   workdir / "server.log", f"http://127.0.0.1:{metrics}/metrics")
 
 
 LAUNCHERS = {"bentoml": launch_bentoml, "triton": launch_triton}
 
 
-def _spawn(cmd: list[str], env: dict, workdir: Path) -> subprocess.Popen:
+def spawn(cmd: list[str], env: dict, workdir: Path) -> subprocess.Popen:
     with open(workdir / "server.log", "wb") as log:
         return subprocess.Popen(cmd, env=env, cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)

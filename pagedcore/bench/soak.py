@@ -17,7 +17,6 @@ nothing failed.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
