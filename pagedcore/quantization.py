@@ -2,8 +2,12 @@
 
 Decode at small batch reads every weight once per step, so it is bound by memory traffic: 4-bit
 weights move ~3.5x fewer bytes than bf16 (this is why llama.cpp is fast on one stream). The kernel is
-pagedcore's (kernels/csrc/cpu_gemm.cpp: 16-column panels of nibbles, dequantized in registers, fp32
-accumulation; 1.8-2.5x torch's on AVX2), or torch's own `_weight_int4pack_mm_for_cpu` without the C++ ops.
+pagedcore's (kernels/csrc/cpu_gemm.cpp: 16-column panels of nibbles), or torch's own
+`_weight_int4pack_mm_for_cpu` without the C++ ops. At decode (M <= INT8_ACTIVATION_ROWS rows) it
+quantizes the activations to int8 per 32 inputs and multiplies in integers, as llama.cpp does (Q8
+blocks): dequantizing every weight to fp32 costs more instructions than reading it, so that path is
+ALU-bound at ~2x the time. Larger M (prefill) keeps fp32 activations, dequantizing each panel once.
+`PAGEDCORE_INT4_ACTIVATIONS=fp32` keeps fp32 activations at every M (exact, the A/B reference).
 The bundled GGUF is Q4_1 (per 32 weights: w = q * d + m, q in 0..15, with q = 0 at the group's min
 and 15 at its max), so min/max re-quantization recovers its own 4-bit grid; the scale and zero are
 then rounded to the activation dtype. Results differ from the bf16 path at bf16-level precision.
@@ -12,6 +16,7 @@ then rounded to the activation dtype. Results differ from the bf16 path at bf16-
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import nn
@@ -20,6 +25,18 @@ from pagedcore import installs
 from pagedcore.kernels import cpu_ext
 
 GROUP_SIZE = 32
+
+
+def int8_activation_rows(setting: str) -> int:
+    """Rows up to which activations are quantized to int8: the `PAGEDCORE_INT4_ACTIVATIONS` setting."""
+    rows = {"int8": 4, "fp32": 0}  # 4: the int8 path is faster up to here (bench linears --impls int4,int4-fp32)
+    if setting not in rows:
+        raise ValueError(f"PAGEDCORE_INT4_ACTIVATIONS={setting!r}; supported: {', '.join(rows)}")
+    return rows[setting]
+
+
+# Read on every call, so a benchmark can switch it within one process.
+INT8_ACTIVATION_ROWS = int8_activation_rows(os.environ.get("PAGEDCORE_INT4_ACTIVATIONS", "int8"))
 
 
 class Int4Linear(nn.Module):
@@ -62,7 +79,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ext is not None:
             return self.ext.packed_linear_int4(x, self.packed, self.scales_and_zeros, self.out_features,
-                                               self.group_size, self.bias)
+                                               self.group_size, self.bias, INT8_ACTIVATION_ROWS)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.packed,
                                                          self.group_size, self.scales_and_zeros)
         if self.bias is not None:
