@@ -91,7 +91,7 @@ def test_invalid_quantization_is_a_clear_error():
 
 # Measured on this project's AVX2 EPYC (see the test): floors for the share of tokens before the first
 # divergence and for the prompts identical throughout.
-FLOOR_AGREEMENT, FLOOR_IDENTICAL = 0.0, 0
+FLOOR_AGREEMENT, FLOOR_IDENTICAL = 0.35, 1  # measured 0.52 (199 of 384 tokens) and 2 of 8
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -102,7 +102,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def test_int8_activations_agree_with_fp32_activations_on_smollm2(smollm2_dir, chat_prompt_ids, monkeypatch):
     """The bundled model, int4 weights, greedy: decode with int8 activations (llama.cpp's scheme) against
     fp32 activations. Quantizing activations changes the numerics, so agreement is measured, not exact:
-    tokens up to the first divergence, over 8 chat prompts x 48 tokens (measured: see the floor)."""
+    tokens up to the first divergence, 8 chat prompts one at a time x 48 tokens. Measured [27, 5, 28, 48, 48,
+    0, 19, 24]: near-tied top tokens flip (llama.cpp's Q8 activations do the same)."""
     from pagedcore import quantization
 
     llm = LLM(str(smollm2_dir), dtype="bfloat16", quantization="int4", num_kv_blocks=256)
@@ -110,7 +111,8 @@ def test_int8_activations_agree_with_fp32_activations_on_smollm2(smollm2_dir, ch
     runs = {}
     for rows in (0, quantization.int8_activation_rows("int8")):
         monkeypatch.setattr(quantization, "INT8_ACTIVATION_ROWS", rows)
-        runs[rows] = [o.outputs[0] for o in llm.generate(chat_prompt_ids, params, use_tqdm=False)]
+        # One prompt at a time: decode rows of one sequence (M = 1), the single-stream case.
+        runs[rows] = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in chat_prompt_ids]
     exact, int8 = runs.values()
     for out in int8:
         assert len(out.token_ids) == 48

@@ -20,6 +20,7 @@ called by the graph, is still timed).
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import time
 from collections import defaultdict
@@ -142,15 +143,15 @@ def run_int4_activations(engine, modes: list[str], repeats: int, batches=(1,), p
     """The same int4 engine with each activation mode of its decode rows (quantization.int8_activation_rows),
     the modes alternating `repeats` times, best step of each per batch: an A/B in one process."""
     from pagedcore import quantization
-    from pagedcore.bench import roofline
 
-    read_gbs, matmul_tflops = roofline.read_bandwidth_gbs(), roofline.matmul_tflops(engine.dtype)
     saved, best = quantization.INT8_ACTIVATION_ROWS, {}
     try:
         for _ in range(repeats):
             for mode in modes:
                 quantization.INT8_ACTIVATION_ROWS = quantization.int8_activation_rows(mode)
-                rows = run(engine, batches, read_gbs, matmul_tflops, prompt_len, steps)
+                # No floors: roofline's FLOP and byte counts read nn.Linear weights, which int4 layers lack.
+                rows = [dict(profile_decode(engine, b, prompt_len, steps), weight_read_ms=math.nan, matmul_ms=math.nan)
+                        for b in batches]
                 best[mode] = [min(old, new, key=lambda r: r["step_ms"]) for old, new in zip(best.get(mode, rows), rows)]
     finally:
         quantization.INT8_ACTIVATION_ROWS = saved
