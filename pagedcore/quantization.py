@@ -8,6 +8,8 @@ quantizes the activations to int8 per 32 inputs and multiplies in integers, as l
 blocks): dequantizing every weight to fp32 costs more instructions than reading it, so that path is
 ALU-bound at ~2x the time. Larger M (prefill) keeps fp32 activations, dequantizing each panel once.
 `PAGEDCORE_INT4_ACTIVATIONS=fp32` keeps fp32 activations at every M (exact, the A/B reference).
+Checkpoints' own int4 formats (`from_codes`: compressed-tensors W4A16, ...) keep fp32 activations:
+their output is defined with unquantized activations.
 The bundled GGUF is Q4_1 (per 32 weights: w = q * d + m, q in 0..15, with q = 0 at the group's min
 and 15 at its max), so min/max re-quantization recovers its own 4-bit grid exactly (fp32 scale and min).
 With fp32 activations results differ from the bf16 path at bf16-level precision; int8 activations add
@@ -52,15 +54,18 @@ class Int4Linear(nn.Module):
         scale = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny)
         q = ((w - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
         self._pack(q, scale, lo, linear.bias, dtype, group_size, linear.weight.device)
+        self.int8_activations = True  # llama.cpp's scheme for its GGUF grid: int8 activations at decode
 
     @classmethod
     def from_codes(cls, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bias: torch.Tensor | None,
-                   dtype: torch.dtype, group_size: int) -> "Int4Linear":
+                   dtype: torch.dtype, group_size: int, int8_activations: bool = False) -> "Int4Linear":
         """A checkpoint's own 4-bit grid, kept exactly: w = q * scale + lo, q in 0..15 [N, K], scale
-        and lo [N, K / group_size] (fp32)."""
+        and lo [N, K / group_size] (fp32). Activations stay unquantized (W4A16 formats define their
+        output so) unless `int8_activations`."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._pack(q.to(torch.int32), scale.float(), lo.float(), bias, dtype, group_size, q.device)
+        self.int8_activations = int8_activations
         return self
 
     def _pack(self, q, scale, lo, bias, dtype, group_size, device) -> None:
@@ -82,7 +87,8 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ext is not None:
             return self.ext.packed_linear_int4(x, self.packed, self.scales_and_zeros, self.out_features,
-                                               self.group_size, self.bias, INT8_ACTIVATION_ROWS)
+                                               self.group_size, self.bias,
+                                               INT8_ACTIVATION_ROWS if self.int8_activations else 0)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.packed,
                                                          self.group_size, self.scales_and_zeros)
         if self.bias is not None:

@@ -60,6 +60,17 @@ def test_int4_linear_decode_rows_use_int8_activations(rows):
     assert 1e-5 < err < 2e-2, err  # not the exact path, and no more than int8 rounding of x (measured ~5e-3)
 
 
+def test_checkpoint_codes_keep_fp32_activations_at_decode_rows():
+    """W4A16 checkpoints (from_codes) define their output with unquantized activations: exact at M = 1."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (48, 64), generator=g, dtype=torch.uint8)
+    scale, lo = torch.rand(48, 2, generator=g) * 0.02, torch.randn(48, 2, generator=g) * 0.05
+    w = (q.double().view(48, 2, 32) * scale.double()[..., None] + lo.double()[..., None]).view(48, 64)
+    x = torch.randn(1, 64, generator=g)
+    out = Int4Linear.from_codes(q, scale, lo, None, torch.float32, 32)(x)
+    torch.testing.assert_close(out.double(), x.double() @ w.T, rtol=1e-5, atol=1e-5)
+
+
 def test_int4_activations_setting_is_checked():
     from pagedcore.quantization import int8_activation_rows
 
