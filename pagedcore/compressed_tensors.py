@@ -63,31 +63,11 @@ def int4_linear(tensors: dict[str, torch.Tensor], bias: torch.Tensor | None, dty
 
 def load(model_dir: Path, dtype: torch.dtype):
     """The HF model with every quantized linear as an Int4Linear over the checkpoint's codes."""
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from pagedcore import quantized_checkpoint
 
-    cfg = quantization_config(model_dir)
-    args = weight_args(cfg)
-    config = AutoConfig.from_pretrained(str(model_dir))
-    del config.quantization_config  # the dense skeleton: transformers must not de-quantize
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    quantized = sorted({k.rsplit(".", 1)[0] for k in state if k.endswith(".weight_packed")})
-    for name in quantized:
-        parts = {k.rsplit(".", 1)[1]: state.pop(k) for k in list(state) if k.rsplit(".", 1)[0] == name}
-        linear = model.get_submodule(name)
-        if not isinstance(linear, nn.Linear):
-            raise ValueError(f"{name}: quantized weights for a {type(linear).__name__}, not a Linear")
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, int4_linear(parts, state.pop(f"{name}.bias", None), dtype,
-                                                                 args["group_size"]))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if m.rsplit(".", 1)[0] not in quantized]
-    if model.config.tie_word_embeddings:
-        missing = [m for m in missing if m != "lm_head.weight"]
-        model.tie_weights()
-    if missing or unexpected:
-        raise ValueError(f"compressed-tensors checkpoint {model_dir}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    return model
+    group_size = weight_args(quantization_config(model_dir))["group_size"]
+
+    def build(name: str, parts: dict[str, torch.Tensor]) -> nn.Module:
+        return int4_linear(parts, parts.get("bias"), dtype, group_size)
+
+    return quantized_checkpoint.load(model_dir, dtype, "weight_packed", build, "compressed-tensors")

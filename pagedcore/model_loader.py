@@ -88,17 +88,32 @@ def gguf_to_hf_dir(gguf: Path) -> Path:
     return target
 
 
+# quant_method in config.json -> the module that loads it kept quantized (each has load() and SUPPORTED)
+QUANTIZED_FORMATS = {"compressed-tensors": "pagedcore.compressed_tensors", "gptq": "pagedcore.gptq",
+                     "awq": "pagedcore.awq"}
+
+
+def load_quantized(model_dir: Path, quant_method: str | None, dtype: torch.dtype):
+    import importlib
+
+    if quant_method not in QUANTIZED_FORMATS:
+        supported = "; ".join(f"{m}: {importlib.import_module(mod).SUPPORTED}" for m, mod in QUANTIZED_FORMATS.items())
+        raise ValueError(f"{model_dir}: quant_method {quant_method!r} is not supported; supported: {supported}")
+    return importlib.import_module(QUANTIZED_FORMATS[quant_method]).load(model_dir, dtype)
+
+
 def load_model_and_tokenizer(model: str | None, dtype: torch.dtype, device: torch.device, tokenizer: str | None = None):
     model_dir = resolve_model_dir(model)
     tok_dir = resolve_model_dir(tokenizer) if tokenizer else model_dir
     with gc_paused():  # the first load imports most of transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from pagedcore import compressed_tensors
+        from pagedcore import quantized_checkpoint
 
         tok = AutoTokenizer.from_pretrained(str(tok_dir))
-        if compressed_tensors.quantization_config(model_dir) is not None:
-            hf_model = compressed_tensors.load(model_dir, dtype)  # kept quantized
+        qcfg = quantized_checkpoint.quantization_config(model_dir)
+        if qcfg is not None:
+            hf_model = load_quantized(model_dir, qcfg.get("quant_method"), dtype)
         else:
             hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     hf_model.to(device).eval()

@@ -35,17 +35,21 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_codes(cls, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bias: torch.Tensor | None,
-                   dtype: torch.dtype, group_size: int) -> "Int4Linear":
+                   dtype: torch.dtype, group_size: int, input_perm: torch.Tensor | None = None) -> "Int4Linear":
         """A checkpoint's own 4-bit grid, kept exactly: w = q * scale + lo, q in 0..15 [N, K], scale
-        and lo [N, K / group_size] (fp32)."""
+        and lo [N, K / group_size] (fp32). `input_perm`: the layer computes x[..., input_perm] @ w.T
+        (GPTQ's act-order checkpoints, whose groups are contiguous only once the inputs are permuted)."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._pack(q.to(torch.int32), scale.float(), lo.float(), bias, dtype, group_size, q.device)
+        if input_perm is not None:
+            self.input_perm = input_perm.long()
         return self
 
     def _pack(self, q, scale, lo, bias, dtype, group_size, device) -> None:
         n, k = q.shape
         self.in_features, self.out_features, self.group_size = k, n, group_size
+        self.register_buffer("input_perm", None)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
         self.ext = cpu_ext.load() if device.type == "cpu" else None
         if self.ext is not None:
@@ -60,6 +64,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_perm is not None:
+            x = x.index_select(-1, self.input_perm)
         if self.ext is not None:
             return self.ext.packed_linear_int4(x, self.packed, self.scales_and_zeros, self.out_features,
                                                self.group_size, self.bias)
