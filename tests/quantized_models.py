@@ -13,12 +13,12 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 PROMPTS = [[1, 500, 600, 700, 42, 9000, 31], [9, 8, 7, 6, 5, 4, 3, 2, 1, 42]]
 
 
-def tiny_llama(hidden: int = 128):
+def tiny_llama(hidden: int = 128, vocab_size: int = 49152):
     """Input widths 128 and 256, so that groups of 32, 64 and 128 all divide them."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model("llama", hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab_size,
                                   max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=2,
                                   initializer_range=0.3, tie_word_embeddings=False)
     torch.manual_seed(0)
