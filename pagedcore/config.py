@@ -31,7 +31,9 @@ class EngineConfig:
     attention_backend: str | None = None  # None: picked from the device through the hook
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (requests' priority: lower runs first) | a plugin's
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
-    quantization: str | None = None  # None | "int4": weight-only int4 linears (CPU; single-stream speed)
+    # None | "int4": weight-only int4 linears (CPU; single-stream speed) | "gguf": a GGUF's Q4_0/Q4_1/Q8_0
+    # linears kept quantized as the file stores them. Pre-quantized HF checkpoints need none (config.json says)
+    quantization: str | None = None
     pack_weights: bool = True  # CPU: linears run over weights packed once at load (pagedcore/packed_linear.py)
     # Capture the model forward with torch.compile (pagedcore/capture.py); eager if it fails.
     # None: on for CUDA (CUDA graphs), off for CPU, where the captured step measured no faster than
@@ -71,8 +73,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
-        if self.quantization not in (None, "int4"):
-            raise ValueError(f"quantization must be None or 'int4', got {self.quantization!r}")
+        if self.quantization not in (None, "int4", "gguf"):
+            raise ValueError(f"quantization must be None, 'int4' or 'gguf', got {self.quantization!r}")
         for name in ("max_concurrent_requests", "max_input_tokens", "max_total_tokens", "max_best_of",
                      "max_stop_sequences", "payload_limit", "max_json_depth", "max_consecutive_step_failures"):
             if getattr(self, name) is not None and getattr(self, name) < 1:

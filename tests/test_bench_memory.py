@@ -125,3 +125,23 @@ def test_budget_smaller_than_the_longest_sequence_is_a_clear_error(tiny_model_di
     args = parse(["--model", str(tiny_model_dir("llama")), *SMALL, "--kv-budget-mib", "0.01"])
     with pytest.raises(ValueError, match="less than the longest sequence"):
         memory.main(args)
+
+
+def test_weights_counts_resident_bytes_per_format(tiny_model_dir, tmp_path):
+    """Dense fp32 vs int4 on the tiny model: every storage once; int4 linears hold 4-bit codes plus an fp32
+    scale and min per 32 weights (0.75 bytes a weight), the dense ones fp32 plus the packed copy."""
+    d = str(tiny_model_dir("llama"))
+    out = tmp_path / "weights.json"
+    assert memory.main(parse(["--weights", d, "--weights", f"{d}@int4", "--dtype", "float32", "--num-threads", "1",
+                              "--json", str(out)])) == 0
+    dense, int4 = json.loads(out.read_text())["weights"]
+    layer = 64 * 64 * 2 + 32 * 64 * 2 + 128 * 64 * 3  # q, o; k, v (2 KV heads of 16); gate, up, down
+    linear_weights = 2 * layer + 49152 * 64  # + the untied LM head
+    # embedding, two norms per layer, the final norm; rotary inv_freq (head_dim / 2) and its original copy
+    other = (49152 * 64 + 2 * 2 * 64 + 64 + 2 * 8) * 4
+    assert dense["other"] == int4["other"] == other
+    assert (dense["num_quantized"], int4["num_quantized"]) == (0, 15)
+    assert dense["linear"] >= 4 * linear_weights  # fp32 (the packed copy, where the C++ ops load, on top)
+    assert int4["linear"] == int4["linear_quantized"]
+    assert 0.75 * linear_weights <= int4["linear"] <= 0.8 * linear_weights
+    assert int4["total_vs_first"] == round(int4["total"] / dense["total"], 3) < 1

@@ -4,7 +4,9 @@
 - concurrency: how many sequences a KV budget holds, paged vs a contiguous max_model_len reservation
   per sequence (HF static caches, naive engines), computed from the workload and observed by running it
   in an engine whose whole KV cache is that budget;
-- sharing: one n=4 request vs the same prompt sent as 4 independent requests, peak blocks in use.
+- sharing: one n=4 request vs the same prompt sent as 4 independent requests, peak blocks in use;
+- weights (`--weights MODEL[@QUANTIZATION]`, repeatable, instead of the above): the bytes an engine
+  holds for its weights, per format (bf16, int4, GPTQ / AWQ / compressed-tensors dirs, GGUF native).
 """
 
 from __future__ import annotations
@@ -195,6 +197,76 @@ def sharing(engine, prompt: list[int], n: int, output_tokens: int, seed: int) ->
     return Sharing(n, len(prompt), output_tokens, shared, independent)
 
 
+@dataclass
+class WeightBytes:
+    source: str  # MODEL[@QUANTIZATION] as asked
+    linear: int  # bytes of linear layers: weights (dense, packed copies, or codes + scales) and biases
+    other: int  # embeddings, norms; a tied LM head is the embedding, counted once
+    linear_quantized: int  # of `linear`: the Int4Linear / Int8Linear layers
+    num_quantized: int
+
+    @property
+    def total(self) -> int:
+        return self.linear + self.other
+
+
+def weight_bytes(source: str, model) -> WeightBytes:
+    """Every parameter and buffer of the model, each storage counted once, plus the packed copies the
+    CPU path keeps beside dense linears (packed_linear.py): what the weights hold in memory."""
+    from torch import nn
+
+    from pagedcore.quantization import Int4Linear, Int8Linear
+
+    seen: set[int] = set()
+    counts = {"linear": 0, "other": 0, "quantized": 0}
+    num_quantized = 0
+    for module in model.modules():
+        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        packed = getattr(module, "_pagedcore_packed", None)
+        tensors += [packed] if packed is not None else []
+        quantized = isinstance(module, (Int4Linear, Int8Linear))
+        num_quantized += quantized
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            kind = "linear" if quantized or isinstance(module, nn.Linear) else "other"
+            counts[kind] += storage.nbytes()
+            counts["quantized"] += storage.nbytes() if quantized else 0
+    return WeightBytes(source, counts["linear"], counts["other"], counts["quantized"], num_quantized)
+
+
+def run_weights(args) -> dict:
+    """Resident weight bytes of an engine per `--weights` source; ratios to the first one."""
+    import gc
+
+    from pagedcore import LLMEngine
+
+    rows = []
+    for source in args.weights:
+        model, _, quantization = source.partition("@")
+        engine = LLMEngine(model=model, dtype=args.dtype,
+                           quantization=quantization or None, num_kv_blocks=16, num_threads=args.num_threads)
+        rows.append(weight_bytes(source, engine.model))
+        del engine
+        gc.collect()
+    base = rows[0]
+    return {"bench": "memory-weights", "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "dtype": args.dtype,
+            "weights": [dict(asdict(r), total=r.total, total_vs_first=round(r.total / base.total, 3),
+                             linear_vs_first=round(r.linear / base.linear, 3)) for r in rows]}
+
+
+def print_weights(report: dict) -> None:
+    print(f"\nresident weight bytes ({report['dtype']} activations); ratios to the first row")
+    print(f"{'source':48s} {'total MiB':>10s} {'linears MiB':>12s} {'other MiB':>10s} {'quantized':>9s} "
+          f"{'total x':>8s} {'linears x':>9s}")
+    for r in report["weights"]:
+        print(f"{r['source'][-48:]:48s} {r['total'] / MIB:10.1f} {r['linear'] / MIB:12.1f} {r['other'] / MIB:10.1f} "
+              f"{r['num_quantized']:9d} {r['total_vs_first']:8.3f} {r['linear_vs_first']:9.3f}")
+
+
 def run(args) -> dict:
     """All three measurements; returns the JSON report."""
     from pagedcore.model_loader import resolve_model_dir
@@ -277,8 +349,12 @@ def main(args) -> int:
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    report = run(args)  # a ValueError (budget too small) becomes `error: ...` in the CLI
-    print_report(report)
+    if args.weights:
+        report = run_weights(args)
+        print_weights(report)
+    else:
+        report = run(args)  # a ValueError (budget too small) becomes `error: ...` in the CLI
+        print_report(report)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
@@ -299,5 +375,8 @@ def add_parser(bsub) -> None:
     m.add_argument("-n", type=int, default=4, help="samples of the sharing request")
     m.add_argument("--share-prompt-tokens", type=int, default=600)
     m.add_argument("--share-output-tokens", type=int, default=16)
+    m.add_argument("--weights", action="append", default=[], metavar="MODEL[@QUANTIZATION]",
+                   help="instead of the KV measurements: resident weight bytes of an engine on MODEL ('bundled', an "
+                        "HF dir, a GGUF), with quantization int4 or gguf after '@'; repeat to compare formats")
     m.add_argument("--json", default=None, help="write results here")
     m.set_defaults(func=main)
