@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+# KV cache element types: "auto" stores K/V in the model dtype; the others quantize them (kernels/kv_quant.py).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+
 if TYPE_CHECKING:  # torch is imported on use: `import pagedcore` alone stays light
     import torch
 
@@ -16,6 +19,9 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     block_size: int = 16
+    # "auto" (the model dtype) | "int8" | "fp8_e4m3": K/V quantized on write with a scale per token and KV
+    # head, de-quantized by the attention kernels; about half the bytes of bf16, so the budget holds ~1.9x the blocks
+    kv_cache_dtype: str = "auto"
     kv_cache_memory: int | None = None  # bytes for the KV cache; None: kv_cache_fraction of free memory
     kv_cache_fraction: float = 0.2
     num_kv_blocks: int | None = None  # overrides both of the above (tests, tight budgets)
@@ -73,6 +79,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quantization not in (None, "int4", "gguf"):
             raise ValueError(f"quantization must be None, 'int4' or 'gguf', got {self.quantization!r}")
         for name in ("max_concurrent_requests", "max_input_tokens", "max_total_tokens", "max_best_of",

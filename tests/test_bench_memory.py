@@ -145,3 +145,22 @@ def test_weights_counts_resident_bytes_per_format(tiny_model_dir, tmp_path):
     assert int4["linear"] == int4["linear_quantized"]
     assert 0.75 * linear_weights <= int4["linear"] <= 0.8 * linear_weights
     assert int4["total_vs_first"] == round(int4["total"] / dense["total"], 3) < 1
+
+
+def test_kv_capacity_per_kv_cache_dtype(report):
+    rows = {r["kv_cache_dtype"]: r for r in report["kv_capacity"]}
+    assert list(rows) == ["auto", "int8", "fp8_e4m3"]
+    auto, int8 = rows["auto"], rows["int8"]
+    # fp32 tiny model (head_dim 16): 4 bytes a value; int8 1 byte a value plus a 2-byte scale per token and head.
+    assert auto["bytes_per_block"] == report["concurrency"]["bytes_per_block"]
+    assert int8["bytes_per_block"] == 2 * 2 * BLOCK * 2 * (16 + 2)
+    assert rows["fp8_e4m3"]["bytes_per_block"] == int8["bytes_per_block"]
+    for r in rows.values():
+        assert r["budget_blocks"] == int(0.05 * 2**20) // r["bytes_per_block"]
+        assert r["max_seqs"] == r["budget_blocks"] // -(-r["seq_len"] // BLOCK)
+        assert r["vs_model_dtype"] == pytest.approx(r["budget_blocks"] / auto["budget_blocks"], abs=1e-3)
+        assert 0 <= r["agreement"] <= 1 and 0 <= r["identical_prompts"] <= r["num_prompts"] == 8
+    assert auto["agreement"] == 1 and auto["identical_prompts"] == 8  # the reference against itself
+    assert int8["budget_blocks"] >= 3 * auto["budget_blocks"]
+    rendered = dict(memory.table_rows(report))
+    assert any("kv_cache_dtype int8" in k for k in rendered)
