@@ -80,14 +80,28 @@ class LLMEngine:
         self.dtype = self.config.torch_dtype(self.device)
         self.model, self.tokenizer = hook.pagedcore_load_model(config=self.config)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
-        if self.config.quantization == "int4":
-            from pagedcore.quantization import quantize_int4
+        self.executor = None  # tensor parallelism (pagedcore/distributed/): rank 0's side
+        if self.config.tensor_parallel_size > 1:
+            from pagedcore.distributed.executor import TPExecutor
 
-            logger.info("int4 weights: %d linear layers", quantize_int4(self.model, self.device))
-        backend = hook.pagedcore_attention_backend(name=self.config.attention_backend, device=self.device)
-        if backend is None:
-            raise ValueError(f"no attention backend {self.config.attention_backend!r} for {self.device}")
-        self.runner = ModelRunner(self.config, self.model, backend, self.device, self.model.dtype)
+            self.executor = TPExecutor(self.config, self.model, self.device)  # workers up, this rank's shard
+            weakref.finalize(self, self.executor.shutdown)  # a dropped engine leaves no worker behind
+        try:
+            if self.config.quantization == "int4":
+                from pagedcore.quantization import quantize_int4
+
+                logger.info("int4 weights: %d linear layers", quantize_int4(self.model, self.device))
+            backend = hook.pagedcore_attention_backend(name=self.config.attention_backend, device=self.device)
+            if backend is None:
+                raise ValueError(f"no attention backend {self.config.attention_backend!r} for {self.device}")
+            if self.executor is None:
+                self.runner = ModelRunner(self.config, self.model, backend, self.device, self.model.dtype)
+            else:
+                self.runner = self.executor.make_runner(backend, self.model.dtype)
+        except BaseException:
+            if self.executor is not None:
+                self.executor.shutdown()
+            raise
         self.kv = KVCacheManager(self.runner.num_blocks, self.config.block_size,
                                  enable_prefix_caching=self.config.enable_prefix_caching,
                                  num_cpu_blocks=self.runner.num_cpu_blocks)
@@ -112,9 +126,25 @@ class LLMEngine:
         self.aborted = RequestCounts(ABORT_REASONS)  # by reason: pagedcore:requests_aborted_total
         self.num_step_failures = 0
         self.consecutive_step_failures = 0
-        self.healthy = True  # False after max_consecutive_step_failures failed steps in a row
+        self._healthy = True  # False after max_consecutive_step_failures failed steps in a row
         logger.info("pagedcore engine ready: %s, %s, %s backend; KV cache %d blocks = %d tokens",
                     self.device, self.dtype, backend.name, self.kv.num_blocks, self.kv.num_blocks * self.config.block_size)
+
+    @property
+    def healthy(self) -> bool:
+        """False after max_consecutive_step_failures failed steps in a row, or once a tensor-parallel
+        worker died or hung (the executor cannot go on)."""
+        return self._healthy and (self.executor is None or self.executor.healthy)
+
+    @healthy.setter
+    def healthy(self, value: bool) -> None:
+        self._healthy = value
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; also done when the engine is dropped
+        and at interpreter exit)."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     # ---- requests -------------------------------------------------------------------------
     def process_prompt(self, prompt: str | list[int], params: SamplingParams | dict | None) -> ProcessedPrompt:
@@ -135,7 +165,9 @@ class LLMEngine:
         """Admission control: OverloadedError (counted) when `num_unfinished` requests already fill
         max_concurrent_requests, or the engine is unhealthy. Pure: callers may run it anywhere."""
         if not self.healthy:
-            e = EngineDeadError(f"the engine is unhealthy after {self.consecutive_step_failures} failed steps in a row")
+            why = (f"after {self.consecutive_step_failures} failed steps in a row" if not self._healthy else
+                   f"({self.executor.failure or 'its tensor-parallel executor is shut down'})")
+            e = EngineDeadError(f"the engine is unhealthy {why}")
         elif num_unfinished >= self.max_concurrent_requests:
             e = OverloadedError(f"the server is overloaded: {num_unfinished} requests in flight, "
                                 f"max_concurrent_requests is {self.max_concurrent_requests}; retry later",
