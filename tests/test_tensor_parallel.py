@@ -47,6 +47,13 @@ def children() -> list[int]:
     return out
 
 
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def assert_no_workers_left(timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while children() and time.monotonic() < deadline:
@@ -148,6 +155,37 @@ def test_tp2_tiny_llama_equals_tp1_and_transformers(tiny_llama, tiny_prompts, ti
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
     with torch.inference_mode():
         assert [hf_greedy(model, p, MAX_NEW)[0] for p in tiny_prompts] == tiny_tp1
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "gemma", "phi3"])
+def test_tp2_other_architectures_equal_tp1(arch, tiny_model_dir, tiny_prompts):
+    """No per-model code: each plan as transformers declares it (Phi-3's gathers its fused qkv, so its
+    ranks keep every KV head; Gemma's embedding scales)."""
+    d = tiny_model_dir(arch)
+    ref = greedy(LLM(str(d), **FP32), tiny_prompts, 12)
+    llm = LLM(str(d), tensor_parallel_size=2, **FP32)
+    try:
+        assert greedy(llm, tiny_prompts, 12) == ref
+        kv_heads = {i["kv_cache_shape"][2] for i in llm.engine.executor.rank_info}
+        assert kv_heads == ({2} if arch == "phi3" else {1})
+    finally:
+        llm.shutdown()
+    assert_no_workers_left()
+
+
+def test_bench_throughput_reports_time_in_collectives(tiny_llama, tmp_path):
+    from pagedcore.cli import main
+
+    out = tmp_path / "tp.json"
+    assert main(["bench", "throughput", "--model", str(tiny_llama), "--tensor-parallel-size", "2", "--num-threads", "1",
+                 "--num-prompts", "4", "--input-min", "8", "--input-max", "16", "--output-min", "4", "--output-max", "8",
+                 "--dtype", "float32", "--no-single-stream", "--json", str(out)]) == 0
+    tp = json.loads(out.read_text())["tensor_parallel"]
+    assert tp["size"] == 2 and tp["steps"] > 0 and tp["comm_ms_per_step"] > 0 and 0 < tp["comm_fraction"] < 1
+    # per layer: the all-reduces of o_proj and down_proj; plus the embedding's, and the LM head's gather
+    assert tp["collectives_per_step"] == 2 * 2 + 2
+    assert [r["rank"] for r in tp["ranks"]] == [0, 1]
+    assert_no_workers_left()
 
 
 def test_killed_worker_fails_the_request_and_marks_the_engine_unhealthy(tiny_llama, tiny_prompts):
@@ -315,6 +353,8 @@ def test_triton_door_tp3_stream_equals_tp1(smollm2_dir, smollm2_tokenizer, tmp_p
             client.close()
         assert error is None, error
         assert "".join(text_of(r) for r in results) == ref
+        workers = [pid for pid in children() if b"pagedcore.distributed.worker" in cmdline(pid)]
+        assert len(workers) == 2, "the Triton model's engine did not run its two tensor-parallel workers"
         assert grpcclient is not None
     finally:
         server.stop(timeout=60)

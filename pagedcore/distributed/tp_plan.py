@@ -119,10 +119,11 @@ def shard_model(model: nn.Module, comm, vocab_parallel: bool = True) -> dict:
                 _shard_packed_rows(module, rank, n)
             else:
                 _shard_rows(module, rows, shared)
-            if style != "colwise":  # the output is needed whole: gather it
+            if style in ("colwise", "packed_colwise"):  # the output stays sharded: so are the parent's heads
+                sharded_parents.add(parent_name)
+            else:  # the output is needed whole: gather it
                 wrapper = GatherOutput(module, comm, full=module._pagedcore_full_out, to_rank0=module is lm_head)
                 setattr(parent, child, wrapper)
-            sharded_parents.add(parent_name)
             shared.setdefault(weight_id, module.weight)
         elif style in ("rowwise", "rowwise_rep", "rowwise_split_input"):
             cols = chunk(module.in_features, rank, n)
@@ -152,7 +153,9 @@ def _is_lm_head(model: nn.Module, key: str) -> bool:
 
 def _check_module(name: str, module: nn.Module, style: str) -> None:
     want = nn.Embedding if style == "embedding_rowwise" else nn.Linear
-    if type(module) is not want:
+    # A subclass whose forward is the base's, or an embedding that only scales (Gemma's), shards the same.
+    plain = isinstance(module, want) and (type(module).forward is want.forward or hasattr(module, "embed_scale"))
+    if not plain:
         raise TensorParallelError(
             f"{name} is a {type(module).__name__}, but tensor parallelism shards plain {want.__name__} modules "
             f"(style {style!r}); quantized checkpoints (compressed-tensors) run with tensor_parallel_size=1")
