@@ -228,9 +228,13 @@ class TPExecutor:
                 self._send(msg)
                 self.num_steps += 1
                 return local(msg)
-            except Exception as e:
-                # The workers are somewhere inside this step's collectives: no way back into step.
-                raise self._fail(e) from e
+            except BaseException as e:
+                # The workers are somewhere inside this step's collectives: no way back into step
+                # (KeyboardInterrupt included: it goes on up as it is, the executor dead behind it).
+                error = self._fail(e)
+                if isinstance(e, Exception):
+                    raise error from e
+                raise
 
     def end_call(self) -> None:
         """external_launcher: the worker ranks' matching LLM.generate call returns."""
@@ -261,14 +265,14 @@ class TPExecutor:
         if self.failure is not None:
             raise WorkerFailedError(f"{self.failure}; the engine is unhealthy: restart it")
 
-    def _fail(self, e: Exception) -> WorkerFailedError:
+    def _fail(self, e: BaseException) -> WorkerFailedError:
         if self.failure is None:
             self.failure = self._diagnose(e)
             logger.error("tensor parallel: %s", self.failure)
             self._kill_workers()
         return WorkerFailedError(f"{self.failure}; the engine is unhealthy: restart it")
 
-    def _diagnose(self, e: Exception) -> str:
+    def _diagnose(self, e: BaseException) -> str:
         deadline = time.monotonic() + 2.0  # a worker killed mid-step: give its exit a moment to show
         while True:
             dead = self._dead_workers()
