@@ -85,23 +85,19 @@ class LLMEngine:
             from pagedcore.distributed.executor import TPExecutor
 
             self.executor = TPExecutor(self.config, self.model, self.device)  # workers up, this rank's shard
-            weakref.finalize(self, self.executor.shutdown)  # a dropped engine leaves no worker behind
-        try:
-            if self.config.quantization == "int4":
-                from pagedcore.quantization import quantize_int4
+            # A dropped engine (one whose start failed below included) leaves no worker behind.
+            weakref.finalize(self, self.executor.shutdown)
+        if self.config.quantization == "int4":
+            from pagedcore.quantization import quantize_int4
 
-                logger.info("int4 weights: %d linear layers", quantize_int4(self.model, self.device))
-            backend = hook.pagedcore_attention_backend(name=self.config.attention_backend, device=self.device)
-            if backend is None:
-                raise ValueError(f"no attention backend {self.config.attention_backend!r} for {self.device}")
-            if self.executor is None:
-                self.runner = ModelRunner(self.config, self.model, backend, self.device, self.model.dtype)
-            else:
-                self.runner = self.executor.make_runner(backend, self.model.dtype)
-        except BaseException:
-            if self.executor is not None:
-                self.executor.shutdown()
-            raise
+            logger.info("int4 weights: %d linear layers", quantize_int4(self.model, self.device))
+        backend = hook.pagedcore_attention_backend(name=self.config.attention_backend, device=self.device)
+        if backend is None:
+            raise ValueError(f"no attention backend {self.config.attention_backend!r} for {self.device}")
+        if self.executor is None:
+            self.runner = ModelRunner(self.config, self.model, backend, self.device, self.model.dtype)
+        else:  # rank 0's runner: it broadcasts each step to the workers (distributed/executor.py)
+            self.runner = self.executor.make_runner(backend, self.model.dtype)
         self.kv = KVCacheManager(self.runner.num_blocks, self.config.block_size,
                                  enable_prefix_caching=self.config.enable_prefix_caching,
                                  num_cpu_blocks=self.runner.num_cpu_blocks)

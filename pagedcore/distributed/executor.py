@@ -295,8 +295,9 @@ class TPExecutor:
         port = free_port()
         python = python_executable()
         env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[2])  # the directory holding this pagedcore package
-        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+        root = Path(__file__).resolve().parents[2]  # the directory holding this pagedcore package
+        if root.name not in ("site-packages", "dist-packages"):  # a checkout: the workers import the same one
+            env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
         level = logging.getLogger("pagedcore").getEffectiveLevel()
         for rank in range(1, self.world_size):
             err = Path(tempfile.mkstemp(prefix=f"pagedcore-tp{rank}-", suffix=".err")[1])
