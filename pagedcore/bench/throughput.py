@@ -219,6 +219,7 @@ def main(args) -> int:
         # The engine's model is rank 0's shard: the whole-model measurements (roofline, step profile, the extra
         # single-stream engines, cold start) stay TP=1 measurements; run them without the flag.
         settings.update(tensor_parallel_size=tp, num_threads=args.num_threads)
+        os.environ["PAGEDCORE_TP_SYNC_TIMING"] = "1"  # CUDA: time each collective to its end (comm.py)
         args.roofline = args.step_profile = args.int4_stream = args.cold_start = False
         print(f"[bench] tensor_parallel_size {tp}: roofline, step profile, cold start and the extra single-stream "
               "engines are off (TP=1 measurements)", file=sys.stderr)

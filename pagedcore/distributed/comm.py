@@ -63,7 +63,9 @@ class Comm:
             self.tp = dist.ProcessGroupNCCL(dist.PrefixStore("tp", store), rank, world_size, opts)
         else:
             self.tp = _gloo(dist.PrefixStore("tp", store), rank, world_size, tp_timeout, gloo_host)
-        self._cuda_timing = device.type == "cuda"
+        # On CUDA a collective returns once launched: its time shows only if each one is waited for, which
+        # costs the overlap; the throughput bench asks for it (PAGEDCORE_TP_SYNC_TIMING=1).
+        self._cuda_timing = device.type == "cuda" and os.environ.get("PAGEDCORE_TP_SYNC_TIMING") == "1"
 
     def barrier(self, name: str, timeout: float = STARTUP_TIMEOUT_S) -> None:
         """Wait, polling the store, until every rank got here; `check()` (rank 0: are the workers
