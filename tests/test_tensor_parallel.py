@@ -254,6 +254,32 @@ def test_async_engine_readiness_and_dropped_engine_leave_no_process(tiny_llama, 
     assert_no_workers_left()
 
 
+ORPHAN_SCRIPT = """
+import sys, time
+from pagedcore import LLM
+llm = LLM(sys.argv[1], tensor_parallel_size=2, dtype="float32", num_kv_blocks=32, num_threads=1)
+print(" ".join(str(i["pid"]) for i in llm.engine.executor.rank_info[1:]), flush=True)
+time.sleep(600)
+"""
+
+
+def test_workers_exit_when_the_engine_process_is_killed(tiny_llama, tmp_path):
+    script = tmp_path / "engine.py"
+    script.write_text(ORPHAN_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), str(tiny_llama)], stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(p) for p in proc.stdout.readline().split()]
+        assert len(workers) == 1 and Path(f"/proc/{workers[0]}").exists()
+    finally:
+        proc.kill()  # SIGKILL: no atexit, no finalizer runs in the engine's process
+        proc.wait()
+    deadline = time.monotonic() + 15
+    while any(Path(f"/proc/{w}").exists() and b"pagedcore.distributed.worker" in cmdline(w) for w in workers) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{w}").exists() and b"pagedcore.distributed.worker" in cmdline(w) for w in workers)
+
+
 # ---- torchrun (external_launcher) --------------------------------------------------------------------------
 TORCHRUN_SCRIPT = """
 import json, os, sys
