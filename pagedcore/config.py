@@ -48,6 +48,21 @@ class EngineConfig:
     # Speculative decoding, vLLM's keys (README, "Speculative decoding"): {"method": "ngram" | "draft_model" |
     # "layer_skip", "num_speculative_tokens": k, ...}; JSON on the command line. None: off.
     speculative_config: dict | None = None
+    # ---- tensor parallelism (README "Tensor parallelism"; pagedcore/distributed/) ----
+
+    # Ranks the model is sharded over by its Hugging Face tensor-parallel plan (column-parallel q/k/v/gate/up,
+    # row-parallel o/down with an all-reduce); each rank holds its share of the heads and of the KV cache
+    tensor_parallel_size: int = 1
+    # How the ranks start: None spawns tensor_parallel_size - 1 worker processes on this host (rendezvous on a
+    # free loopback port); "external_launcher": every rank runs the same script under torchrun (env://
+    # rendezvous, ranks may live on several hosts) and rank 0's LLM returns the outputs
+    distributed_executor_backend: str | None = None
+    # Seconds a rank waits for the others in one collective; a worker that died or hangs fails the step
+    # within this time and marks the engine unhealthy
+    distributed_timeout: float = 60.0
+    # With tensor_parallel_size > 1: shard the embedding and the LM head over the vocabulary where the
+    # model's plan does (logits gathered on rank 0); off keeps both whole on every rank
+    tensor_parallel_vocab: bool = True
     # ---- limits (README "Limits and failure behaviour"; TGI's names where TGI has the setting) ----
 
     # Requests admitted and unfinished at once; past it a request is refused at once (HTTP 429 with
@@ -92,6 +107,19 @@ class EngineConfig:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if not 0 < self.kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in (None, "mp", "external_launcher"):
+            raise ValueError("distributed_executor_backend must be None (spawn workers), 'mp' (the same) or "
+                             f"'external_launcher' (torchrun), got {self.distributed_executor_backend!r}")
+        if self.distributed_timeout <= 0:
+            raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
+        if self.tensor_parallel_size > 1 and self.speculative_config is not None:
+            raise ValueError("speculative decoding does not run with tensor_parallel_size > 1 (its proposers and "
+                             "verification run one model in one process): set one of them off")
+        if self.tensor_parallel_size > 1 and self.compile:
+            raise ValueError("compile=True does not run with tensor_parallel_size > 1 (the captured forward has no "
+                             "collectives): leave compile unset or False")
         if self.speculative_config is not None:
             from pagedcore.spec_decode.config import SpeculativeConfig
 
@@ -105,6 +133,8 @@ class EngineConfig:
         return torch.device(self.device)
 
     def use_compile(self, device: torch.device) -> bool:
+        if self.tensor_parallel_size > 1:
+            return False  # the captured graph would hold no all-reduce (README "Tensor parallelism")
         return device.type == "cuda" if self.compile is None else self.compile
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:

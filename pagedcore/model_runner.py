@@ -66,6 +66,8 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.shape = ModelShape.from_hf_config(model.config)
+        # Tensor parallelism (distributed/tp_plan.py): this rank holds only its share of the KV heads.
+        self.shape.num_kv_heads = getattr(model, "_pagedcore_tp_kv_heads", self.shape.num_kv_heads)
         self.block_size = config.block_size
         self.kv_layout = self._kv_layout()
         self.num_blocks = self._num_blocks()
