@@ -86,7 +86,8 @@ class PrometheusMetrics:
         from prometheus_client import Counter, Gauge, Histogram
 
         make = {
-            "gauge": lambda s: Gauge(s.name, s.help, ["model_name"], multiprocess_mode="livemostrecent"),
+            # liveall: with workers=N, each live worker (an engine replica) exports its own series (`pid` label)
+            "gauge": lambda s: Gauge(s.name, s.help, ["model_name"], multiprocess_mode="liveall"),
             "counter": lambda s: Counter(s.name, s.help, ["model_name", *filter(None, [s.label])]),
             "histogram": lambda s: Histogram(s.name, s.help, ["model_name"], buckets=s.buckets),
         }

@@ -211,7 +211,9 @@ class TritonPythonModel:
         self.loop_thread.start()
         # Read live from the LLMEngine: AsyncLLMEngine.stats() is the last step's snapshot, which stays
         # stale when an abort leaves the engine idle (no step follows to refresh it).
-        self.metrics = TritonMetrics(self.engine.engine, {"model_name": args["model_name"]})
+        # Labelled by instance too: with instance_group count > 1 each replica's engine exports its own series.
+        self.metrics = TritonMetrics(self.engine.engine, {"model_name": args["model_name"],
+                                                          "model_instance": args.get("model_instance_name", "")})
 
     def execute(self, requests):
         for request in requests:

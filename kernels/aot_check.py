@@ -58,31 +58,44 @@ def compile_all(arch: int = 90, quick: bool = False) -> list[dict]:
     if quick:
         dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     head_dims = [80, 128] if quick else [64, 80, 96, 128]
+    # Quantized caches (kv_cache_dtype int8 / fp8_e4m3): values of these types, fp16 scales.
+    kv_types = {"": None, "int8": "*i8", "fp8_e4m3": "*fp8e4nv"}
     group = 3
     for tname, dtype in dtypes.items():
         ptr = "*" + tname
-        attn_ptrs = dict(q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, out_ptr=ptr, block_table_ptr="*i32",
-                         seq_lens_ptr="*i32", query_start_loc_ptr="*i32", seq_idx_ptr="*i32",
-                         part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", scale="fp32", softcap="fp32")
-        for d in head_dims:
-            bd = triton.next_power_of_2(d)
-            for direct in (True, False):
-                build(f"decode_partition {tname} d={d} direct={direct}", decode_attention._decode_partition_kernel, attn_ptrs,
-                      dict(GROUP=group, BLOCK_SIZE=16, BLOCK_H=16, BLOCK_D=bd, BLOCK_N=decode_attention.DECODE_BLOCK_N,
-                           USE_WINDOW=True, USE_SOFTCAP=True, DIRECT=direct, DOT_PREC=dot_precision(dtype), UPCAST_DOT=False),
-                      decode_attention.DECODE_NUM_WARPS)
-            build(f"decode_reduce {tname} d={d}", decode_attention._decode_reduce_kernel, attn_ptrs,
-                  dict(USE_WINDOW=True, BLOCK_SPLITS=16, BLOCK_D=bd), 4)
-            block_m, block_n, warps = prefill_config(dtype)
-            block_m, block_q = prefill_block_shape(group, block_m)
-            build(f"prefill {tname} d={d}", prefill_attention._prefill_kernel, attn_ptrs,
-                  dict(GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=bd, BLOCK_SIZE=16,
-                       USE_WINDOW=True, USE_SOFTCAP=True, DOT_PREC=dot_precision(dtype), UPCAST_DOT=False), warps)
-        build(f"reshape_and_cache {tname}", cache_write._reshape_and_cache_kernel,
-              dict(key_ptr=ptr, value_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, slot_mapping_ptr="*i64"),
-              dict(BLOCK_SIZE=16, BLOCK_H=4, BLOCK_D=128), 4)
+        for kv_name, kv_ptr in kv_types.items():
+            quant = kv_ptr is not None
+            tag = f"{tname} kv={kv_name}" if quant else tname
+            attn_ptrs = dict(q_ptr=ptr, k_cache_ptr=kv_ptr or ptr, v_cache_ptr=kv_ptr or ptr, out_ptr=ptr,
+                             k_scale_ptr="*fp16", v_scale_ptr="*fp16", block_table_ptr="*i32",
+                             seq_lens_ptr="*i32", query_start_loc_ptr="*i32", seq_idx_ptr="*i32",
+                             part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", scale="fp32", softcap="fp32")
+            for d in head_dims if not (quick and quant) else [128]:  # quick: the largest tile only
+                bd = triton.next_power_of_2(d)
+                for direct in (True, False):
+                    build(f"decode_partition {tag} d={d} direct={direct}", decode_attention._decode_partition_kernel,
+                          attn_ptrs,
+                          dict(GROUP=group, BLOCK_SIZE=16, BLOCK_H=16, BLOCK_D=bd, BLOCK_N=decode_attention.DECODE_BLOCK_N,
+                               USE_WINDOW=True, USE_SOFTCAP=True, DIRECT=direct, DOT_PREC=dot_precision(dtype),
+                               UPCAST_DOT=False, KV_QUANT=quant),
+                          decode_attention.DECODE_NUM_WARPS)
+                if not quant:
+                    build(f"decode_reduce {tname} d={d}", decode_attention._decode_reduce_kernel, attn_ptrs,
+                          dict(USE_WINDOW=True, BLOCK_SPLITS=16, BLOCK_D=bd), 4)
+                block_m, block_n, warps = prefill_config(dtype)
+                block_m, block_q = prefill_block_shape(group, block_m)
+                build(f"prefill {tag} d={d}", prefill_attention._prefill_kernel, attn_ptrs,
+                      dict(GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=bd, BLOCK_SIZE=16,
+                           USE_WINDOW=True, USE_SOFTCAP=True, DOT_PREC=dot_precision(dtype), UPCAST_DOT=False,
+                           KV_QUANT=quant), warps)
+            build(f"reshape_and_cache {tag}", cache_write._reshape_and_cache_kernel,
+                  dict(key_ptr=ptr, value_ptr=ptr, k_cache_ptr=kv_ptr or ptr, v_cache_ptr=kv_ptr or ptr,
+                       k_scale_ptr="*fp16", v_scale_ptr="*fp16", slot_mapping_ptr="*i64"),
+                  dict(BLOCK_SIZE=16, BLOCK_H=4, BLOCK_D=128, QUANT={"": 0, "int8": 1, "fp8_e4m3": 2}[kv_name]), 4)
         build(f"copy_blocks {tname}", block_copy._copy_blocks_kernel, dict(cache_ptrs="*i64", pairs_ptr="*i64"),
               dict(DTYPE={"fp32": tl.float32, "fp16": tl.float16, "bf16": tl.bfloat16}[tname], CHUNK=block_copy.COPY_CHUNK), 4)
+    build("copy_blocks uint8 (quantized KV blocks)", block_copy._copy_blocks_kernel,
+          dict(cache_ptrs="*i64", pairs_ptr="*i64"), dict(DTYPE=tl.uint8, CHUNK=block_copy.COPY_CHUNK), 4)
     return results
 
 

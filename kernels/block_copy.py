@@ -4,7 +4,8 @@
   the scheduler allocates a fresh block and asks for src -> dst in *every* layer's K and V cache.
   One Triton launch does all layers: the caches' base addresses go in as an int64 array (vLLM's
   CUDA copy_blocks does the same with a pointer array), program (pair, cache, chunk) copies one
-  contiguous chunk of one block.
+  contiguous chunk of one block. A quantized cache (uint8 [num_blocks, block_bytes], kernels/kv_quant.py)
+  is copied as bytes: each block holds its scales, so they move with it.
 * `swap_blocks`: move blocks between two pools (GPU <-> pinned CPU for preemption by swapping).
   That is a DMA job, not a kernel: same device -> one indexed copy; across devices -> one
   `copy_(non_blocking=True)` per block, which becomes a cudaMemcpyAsync without a staging gather.
@@ -71,8 +72,8 @@ def copy_blocks(
     # Within a block the layout [block_size, Hkv, D] must be dense so a block is one flat range.
     block_numel = first[0].numel()
     assert first[0].is_contiguous(), "cache blocks must be contiguous"
-    if first.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        for c in caches:  # e.g. fp8 / int8 caches: plain indexed copy
+    if first.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.uint8):
+        for c in caches:  # any other element type: plain indexed copy
             c[dst] = c[src]
         return
 

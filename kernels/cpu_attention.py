@@ -19,6 +19,10 @@ built once per step and reused by every layer. Prefill rows use SDPA (causal, or
 prefix hits and windows); softcap layers take an explicit fp32 matmul + softmax path. (Measured
 choices: see `pagedcore bench attention`.)
 
+A quantized cache (`kv_quant`: int8 / fp8 values, a scale per token and KV head) is read by the
+C++ decode kernel in place, de-quantized in its inner loop; the torch paths de-quantize what they
+gather (the tokens of a prefill row, the blocks of a decode bucket) to the query's dtype.
+
 Cache slots past a sequence's length (the tail of its last block, padding blocks) may hold
 anything, NaN included (e.g. a `torch.empty` cache): they are zeroed in the gathered copy, since
 even a fully masked score contributes 0 * NaN = NaN to the output.
@@ -32,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedcore.attention.backend import AttentionMetadata
-from pagedcore.kernels import cpu_ext
+from pagedcore.kernels import cpu_ext, kv_quant
 
 
 def _bucket_by_length(idx: list[int], lens: list[int], ratio: float = 2.0, floor: int = 128) -> list[list[int]]:
@@ -110,12 +114,17 @@ def plan_decode_group(metadata: AttentionMetadata, seqs: list[int], sliding_wind
                            ~visible[:, None, None, :])
 
 
-def _gather(cache: torch.Tensor, plan: DecodeGroupPlan, n: int, zero_padding: bool) -> torch.Tensor:
+def _gather(cache: torch.Tensor, plan: DecodeGroupPlan, n: int, zero_padding: bool, dtype: torch.dtype) -> torch.Tensor:
     """Whole blocks of every sequence: [n, length, Hkv, D]. Values need their slots past the end zeroed
     (they may be NaN, and even a weight of 0 gives 0 * NaN = NaN); keys need not, since their scores
-    are overwritten by the mask."""
-    _, _, num_kv_heads, head_dim = cache.shape
-    x = torch.index_select(cache, 0, plan.blocks)
+    are overwritten by the mask. A quantized cache's blocks come de-quantized to `dtype`."""
+    if kv_quant.layout_of(cache) is not None:
+        data, scales = kv_quant.split(cache)
+        x = kv_quant.dequantize(torch.index_select(data, 0, plan.blocks), torch.index_select(scales, 0, plan.blocks),
+                                dtype)
+    else:
+        x = torch.index_select(cache, 0, plan.blocks)
+    _, _, num_kv_heads, head_dim = x.shape
     if zero_padding and plan.pad_slots is not None:
         x.view(-1, num_kv_heads, head_dim).index_fill_(0, plan.pad_slots, 0)
     return x.view(n, plan.length, num_kv_heads, head_dim)
@@ -152,7 +161,8 @@ def _decode_native(q, k, v, hidden_by_head, scale, softcap):
 
 def _decode_group(out, query, k_cache, v_cache, plan: DecodeGroupPlan, scale, softcap, use_sdpa):
     n = plan.rows.numel()
-    k, v = _gather(k_cache, plan, n, zero_padding=use_sdpa), _gather(v_cache, plan, n, zero_padding=True)
+    k = _gather(k_cache, plan, n, zero_padding=use_sdpa, dtype=query.dtype)
+    v = _gather(v_cache, plan, n, zero_padding=True, dtype=query.dtype)
     q = query[plan.row_start : plan.row_start + n] if plan.row_start is not None else query.index_select(0, plan.rows)
     if use_sdpa:
         o = _attend(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), ~plan.hidden, scale, softcap).squeeze(2)
@@ -165,16 +175,22 @@ def _decode_group(out, query, k_cache, v_cache, plan: DecodeGroupPlan, scale, so
 
 
 def _prefill_one(out, query, k_cache, v_cache, metadata, i, scale, sliding_window, softcap):
-    block_size = k_cache.shape[1]
+    block_size = metadata.block_size
     start, end = metadata.query_start_loc_cpu[i], metadata.query_start_loc_cpu[i + 1]
     seq_len = metadata.seq_lens_cpu[i]
     q_len = end - start
     device = query.device
     # Token-granular gather of exactly the context: no padding, so nothing to zero.
     pos = torch.arange(seq_len, device=device)
-    slots = metadata.block_table[i].long()[pos // block_size] * block_size + pos % block_size
-    k = k_cache.flatten(0, 1).index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-    v = v_cache.flatten(0, 1).index_select(0, slots).transpose(0, 1).unsqueeze(0)
+    blocks = metadata.block_table[i].long()[pos // block_size]
+    if kv_quant.layout_of(k_cache) is not None:
+        k = kv_quant.gather_tokens(k_cache, blocks, pos % block_size, query.dtype)
+        v = kv_quant.gather_tokens(v_cache, blocks, pos % block_size, query.dtype)
+    else:
+        slots = blocks * block_size + pos % block_size
+        k = k_cache.flatten(0, 1).index_select(0, slots)
+        v = v_cache.flatten(0, 1).index_select(0, slots)
+    k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
     q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, M, D]
 
     use_window = sliding_window is not None and 0 < sliding_window < seq_len
@@ -223,8 +239,14 @@ def _ext_plan(metadata: AttentionMetadata, plans: dict | None) -> ExtDecodePlan 
 def _decode_ext(ext, out, query, k_cache, v_cache, plan: ExtDecodePlan, scale, sliding_window, softcap):
     """Decode rows through the C++ kernel, into `out`'s rows; with `out` None, return its output."""
     window = sliding_window if sliding_window is not None and sliding_window > 0 else 0
-    o = ext.paged_decode(query, plan.rows, k_cache, v_cache, plan.block_table, plan.seq_lens, scale, window,
-                         softcap if softcap is not None and softcap > 0 else 0.0)
+    softcap = softcap if softcap is not None and softcap > 0 else 0.0
+    if kv_quant.layout_of(k_cache) is not None:  # de-quantized in the kernel's inner loop
+        (k_data, k_scales), (v_data, v_scales) = kv_quant.split(k_cache), kv_quant.split(v_cache)
+        o = ext.paged_decode(query, plan.rows, k_data, v_data, plan.block_table, plan.seq_lens, scale, window,
+                             softcap, k_scales, v_scales)
+    else:
+        o = ext.paged_decode(query, plan.rows, k_cache, v_cache, plan.block_table, plan.seq_lens, scale, window,
+                             softcap)
     if out is None:
         return o
     out.index_copy_(0, plan.rows, o.to(out.dtype))

@@ -16,6 +16,11 @@ and sums. With one split the first kernel normalises and writes the output direc
 
 head_dim need not be a power of two (64/80/96/128...): tiles are padded to the next power of two
 and masked.
+
+Quantized cache (KV_QUANT, kernels/kv_quant.py): K/V tiles are int8 or e4m3 values, widened to the
+query's dtype (exact: both fit bf16/fp16), with one fp16 scale per (token, KV head). The scales act on
+the [heads, tokens] score and weight tiles, not on the [tokens, head_dim] K/V tiles: s = (q . k) * k_scale,
+acc += (p * v_scale) . v, with the softmax sum taken over p itself.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pagedcore.kernels.triton_utils import (
     LOG2E,
     NEG_BIG,
     apply_softcap,
+    check_scales,
     dot_precision,
     interpreting,
     mma,
@@ -57,6 +63,8 @@ def _decode_partition_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     v_cache_ptr,
+    k_scale_ptr,  # fp16 [num_blocks, block_size, Hkv] (used when KV_QUANT)
+    v_scale_ptr,
     block_table_ptr,  # int32 [B, max_blocks]
     seq_lens_ptr,  # int32 [B]
     query_start_loc_ptr,  # int32 [B + 1]: the query row of sequence b
@@ -72,6 +80,8 @@ def _decode_partition_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
+    stride_sb,  # scale strides: block, slot-in-block (the head's is 1)
+    stride_ss,
     stride_bt,
     stride_pa_s,  # partial-acc strides; part_m / part_l are [num_seqs, Hq, max_splits] contiguous
     stride_pa_h,
@@ -89,6 +99,7 @@ def _decode_partition_kernel(
     DIRECT: tl.constexpr,  # one split: normalise and write `out` here, no reduction kernel
     DOT_PREC: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    KV_QUANT: tl.constexpr,  # int8 / fp8 cache with per-(token, head) scales
 ):
     pid_s = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -136,8 +147,17 @@ def _decode_partition_kernel(
         kv_mask = tok_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_QUANT:
+            s_off = phys * stride_sb + (tok % BLOCK_SIZE) * stride_ss + kv_head
+            k_scale = tl.load(k_scale_ptr + s_off, mask=tok_mask, other=0.0).to(tl.float32)
+            v_scale = tl.load(v_scale_ptr + s_off, mask=tok_mask, other=0.0).to(tl.float32)
+            # Through fp32: exact, and Triton's interpreter turns int8 -> bf16 into bit patterns.
+            k = k.to(tl.float32).to(q.dtype)
+            v = v.to(tl.float32).to(q.dtype)
 
         s = mma(q, tl.trans(k), DOT_PREC, UPCAST_DOT)  # fp32 [BLOCK_H, BLOCK_N]
+        if KV_QUANT:
+            s = s * k_scale[None, :]
         if USE_SOFTCAP:
             s = apply_softcap(s * scale, softcap) * LOG2E
         else:
@@ -150,6 +170,8 @@ def _decode_partition_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if KV_QUANT:
+            p = p * v_scale[None, :]
         # P is cast to V's dtype for the tensor-core dot (flash-attention does the same).
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PREC, UPCAST_DOT)
         m_i = m_new
@@ -298,6 +320,8 @@ def paged_decode_attention(
     plan: DecodePlan | None = None,
     num_splits: int | None = None,
     workspace: dict | None = None,  # reused split-K buffers (e.g. one per step, shared by layers)
+    k_scales: torch.Tensor | None = None,  # fp16 [num_blocks, block_size, Hkv]: k/v_cache are int8 / fp8 values
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context. Returns `out` [T, Hq, D].
 
@@ -310,6 +334,7 @@ def paged_decode_attention(
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and query.stride(2) == 1
     group = num_q_heads // num_kv_heads
     device = query.device
+    quant = check_scales(k_cache, v_cache, k_scales, v_scales)
     if out is None:
         out = torch.empty_like(query)
     if query_start_loc is None:
@@ -354,6 +379,8 @@ def paged_decode_attention(
         query,
         k_cache,
         v_cache,
+        k_scales if quant else k_cache,
+        v_scales if quant else v_cache,
         block_table,
         seq_lens,
         query_start_loc,
@@ -369,6 +396,8 @@ def paged_decode_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        k_scales.stride(0) if quant else 0,
+        k_scales.stride(1) if quant else 0,
         block_table.stride(0),
         part_acc.stride(0) if not direct else 0,
         part_acc.stride(1) if not direct else 0,
@@ -386,6 +415,7 @@ def paged_decode_attention(
         DIRECT=direct,
         DOT_PREC=dot_precision(query.dtype),
         UPCAST_DOT=needs_dot_upcast(query.dtype),
+        KV_QUANT=quant,
         num_warps=DECODE_NUM_WARPS,
     )
     if not direct:

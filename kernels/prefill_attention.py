@@ -10,6 +10,9 @@ that share one KV head, packed as BLOCK_M = BLOCK_Q * GROUP rows (vLLM's unified
 layout): every K/V tile loaded is reused by all GQA heads. It walks the keys the block can see,
 [window start of its first token, position of its last token], in tiles of BLOCK_N tokens
 gathered through the block table, with an online softmax in fp32 (flash-attention 2).
+
+A quantized cache (KV_QUANT) is read as in decode_attention.py: values widened to the query's dtype,
+per-(token, head) scales applied to the score and weight tiles.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pagedcore.kernels.triton_utils import (
     LOG2E,
     NEG_BIG,
     apply_softcap,
+    check_scales,
     dot_precision,
     mma,
     needs_dot_upcast,
@@ -44,6 +48,8 @@ def _prefill_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     v_cache_ptr,
+    k_scale_ptr,  # fp16 [num_blocks, block_size, Hkv] (used when KV_QUANT)
+    v_scale_ptr,
     block_table_ptr,  # int32 [B, max_blocks]
     seq_lens_ptr,  # int32 [B]
     query_start_loc_ptr,  # int32 [B + 1]
@@ -58,6 +64,8 @@ def _prefill_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
+    stride_sb,  # scale strides: block, slot-in-block (the head's is 1)
+    stride_ss,
     stride_bt,
     head_dim,
     GROUP: tl.constexpr,  # query heads per KV head
@@ -70,6 +78,7 @@ def _prefill_kernel(
     USE_SOFTCAP: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    KV_QUANT: tl.constexpr,  # int8 / fp8 cache with per-(token, head) scales
 ):
     pid_s = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -123,8 +132,17 @@ def _prefill_kernel(
         kv_mask = tok_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_QUANT:
+            s_off = phys * stride_sb + (tok % BLOCK_SIZE) * stride_ss + kv_head
+            k_scale = tl.load(k_scale_ptr + s_off, mask=tok_mask, other=0.0).to(tl.float32)
+            v_scale = tl.load(v_scale_ptr + s_off, mask=tok_mask, other=0.0).to(tl.float32)
+            # Through fp32: exact, and Triton's interpreter turns int8 -> bf16 into bit patterns.
+            k = k.to(tl.float32).to(q.dtype)
+            v = v.to(tl.float32).to(q.dtype)
 
         s = mma(q, tl.trans(k), DOT_PREC, UPCAST_DOT)  # fp32 [BLOCK_M, BLOCK_N]
+        if KV_QUANT:
+            s = s * k_scale[None, :]
         if USE_SOFTCAP:
             s = apply_softcap(s * scale, softcap) * LOG2E
         else:
@@ -140,6 +158,8 @@ def _prefill_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if KV_QUANT:
+            p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PREC, UPCAST_DOT)
         m_i = m_new
 
@@ -175,6 +195,8 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     block_m: int | None = None,  # tile overrides (default: prefill_config(dtype))
     block_n: int | None = None,
+    k_scales: torch.Tensor | None = None,  # fp16 [num_blocks, block_size, Hkv]: k/v_cache are int8 / fp8 values
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of every new token to its sequence's whole paged context.
 
@@ -185,6 +207,7 @@ def paged_prefill_attention(
     assert num_q_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and query.stride(2) == 1
     group = num_q_heads // num_kv_heads
+    quant = check_scales(k_cache, v_cache, k_scales, v_scales)
     if out is None:
         out = torch.empty_like(query)
     if seq_indices is None:
@@ -204,6 +227,8 @@ def paged_prefill_attention(
         query,
         k_cache,
         v_cache,
+        k_scales if quant else k_cache,
+        v_scales if quant else v_cache,
         block_table,
         seq_lens,
         query_start_loc,
@@ -218,6 +243,8 @@ def paged_prefill_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        k_scales.stride(0) if quant else 0,
+        k_scales.stride(1) if quant else 0,
         block_table.stride(0),
         head_dim,
         GROUP=group,
@@ -230,6 +257,7 @@ def paged_prefill_attention(
         USE_SOFTCAP=use_softcap,
         DOT_PREC=dot_precision(query.dtype),
         UPCAST_DOT=needs_dot_upcast(query.dtype),
+        KV_QUANT=quant,
         num_warps=num_warps,
     )
     return out

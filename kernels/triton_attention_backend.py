@@ -6,7 +6,8 @@ Per layer `forward`:
   3. all other sequences (prompts, chunked prefill, prefix hits) go to the varlen prefill kernel,
      which reads their whole context -- cached and new -- through the block table.
 Both kernels take a list of sequence indices and write only their own rows, so a mixed batch
-needs no reordering and no scatter.
+needs no reordering and no scatter. A quantized cache (kv_quant: uint8 blocks of int8 / fp8 values and
+their per-(token, head) scales) goes to the same kernels as its values and scales views.
 
 `build_metadata` runs once per step (not per layer): it splits the batch into decode / prefill
 index lists on the host (from the `*_cpu` fields: no device sync), uploads them once, and caches
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from pagedcore.attention.backend import AttentionBackend, AttentionMetadata
+from pagedcore.kernels import kv_quant
 from pagedcore.kernels.block_copy import copy_blocks as triton_copy_blocks
 from pagedcore.kernels.block_copy import swap_blocks as _swap_blocks
 from pagedcore.kernels.cache_write import reshape_and_cache
@@ -68,6 +70,7 @@ class TritonAttentionMetadata:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    kv_cache_dtypes = kv_quant.KV_CACHE_DTYPES  # fp8_e4m3 on GPUs of compute capability >= 8.9 (kv_quant)
 
     def __init__(self, target_programs: int | None = None) -> None:
         # Programs the decode kernel should launch to fill the device (None: 4 x SM count on GPU).
@@ -121,11 +124,16 @@ class TritonAttentionBackend(AttentionBackend):
             metadata = self.build_metadata(metadata)
         md: TritonAttentionMetadata = metadata
         common = md.common
-        assert query.dtype == k_cache.dtype, "the kernels expect the cache in the model dtype"
+        scales = {}
+        if kv_quant.layout_of(k_cache) is not None:
+            (k_cache, k_scales), (v_cache, v_scales) = kv_quant.split(k_cache), kv_quant.split(v_cache)
+            scales = dict(k_scales=k_scales, v_scales=v_scales)
+        else:
+            assert query.dtype == k_cache.dtype, "the kernels expect the cache in the model dtype"
         num_tokens = query.shape[0]
 
         if key is not None and value is not None:
-            reshape_and_cache(key, value, k_cache, v_cache, common.slot_mapping[:num_tokens])
+            reshape_and_cache(key, value, k_cache, v_cache, common.slot_mapping[:num_tokens], **scales)
 
         out = _new_output(query)
         if md.num_real_tokens < num_tokens:
@@ -146,6 +154,7 @@ class TritonAttentionBackend(AttentionBackend):
                 out=out,
                 plan=md.decode_plan(k_cache.shape[2], sliding_window),
                 workspace=md.workspace,
+                **scales,
             )
         if md.num_prefills:
             paged_prefill_attention(
@@ -161,6 +170,7 @@ class TritonAttentionBackend(AttentionBackend):
                 softcap,
                 seq_indices=md.prefill_seq_idx,
                 out=out,
+                **scales,
             )
         return out
 

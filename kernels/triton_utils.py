@@ -70,4 +70,18 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def torch_dtype_to_tl(dtype: torch.dtype):
-    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
+    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.uint8: tl.uint8}[dtype]
+
+
+QUANTIZED_CACHE_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
+def check_scales(k_cache, v_cache, k_scales, v_scales) -> bool:
+    """Whether the attention kernels read a quantized cache (int8 / e4m3 values, fp16 scales per
+    (token, head), kv_quant.split's views), checking that scales come exactly with one."""
+    quant = k_cache.dtype in QUANTIZED_CACHE_DTYPES
+    assert quant == (k_scales is not None and v_scales is not None), "scales come with an int8 / fp8 cache, only"
+    if quant:
+        assert k_scales.dtype == v_scales.dtype == torch.float16 and k_scales.stride() == v_scales.stride()
+        assert k_scales.stride(2) == 1 and k_scales.shape == k_cache.shape[:3]
+    return quant

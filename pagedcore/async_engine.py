@@ -159,6 +159,7 @@ class AsyncLLMEngine:
             self._commands.put(("wake",))
             self._thread.join(timeout=60)
             _LIVE.discard(self)
+            self.engine.shutdown()  # tensor-parallel workers, if any
 
     def _loop(self) -> None:
         while not self._stopped:

@@ -10,7 +10,8 @@ def pagedcore_load_model(config):
     from pagedcore.model_loader import load_model_and_tokenizer
 
     device = config.torch_device()
-    return load_model_and_tokenizer(config.model, config.torch_dtype(device), device, config.tokenizer)
+    return load_model_and_tokenizer(config.model, config.torch_dtype(device), device, config.tokenizer,
+                                    config.quantization)
 
 
 @hookimpl(trylast=True)

@@ -1,10 +1,13 @@
 """compressed-tensors checkpoints (as llmcompressor writes them), loaded without de-quantizing.
 
-Supported: `pack-quantized` int weights, 4 bits, `group` strategy (any group size dividing the
-input width, even), symmetric or with zero points; activations unquantized (W4A16). Each such linear
-becomes an `Int4Linear` holding the checkpoint's own codes: compressed-tensors stores q + 8 for
-q in [-8, 7] (8 per int32, element i at bits 4i..4i+3) and means w = (q - zero_point) * scale, which
-is our kernel's w = u * scale + lo with u = q + 8 and lo = -(8 + zero_point) * scale, exactly.
+Supported: `pack-quantized` int weights, activations unquantized:
+- W4A16: 4 bits, `group` strategy (any group size dividing the input width, even), symmetric or with
+  zero points. Each such linear becomes an `Int4Linear` holding the checkpoint's own codes:
+  compressed-tensors stores q + 8 for q in [-8, 7] (8 per int32, element i at bits 4i..4i+3) and means
+  w = (q - zero_point) * scale, which is our kernel's w = u * scale + lo with u = q + 8 and
+  lo = -(8 + zero_point) * scale, exactly.
+- W8A16: 8 bits, symmetric, `channel` or `group` strategy: q + 128 stored 4 per int32 (element i at
+  bits 8i..8i+7), w = q * scale: an `Int8Linear` over q (per channel: torch's int8 kernel).
 Anything else is refused with a message naming what is supported.
 """
 
@@ -16,7 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-SUPPORTED = "compressed-tensors pack-quantized int4 weights with group strategy (W4A16)"
+SUPPORTED = ("compressed-tensors pack-quantized int4 weights with group strategy (W4A16, symmetric or zero points) "
+             "and int8 weights, symmetric, with channel or group strategy (W8A16)")
 
 
 def quantization_config(model_dir: Path) -> dict | None:
@@ -31,9 +35,11 @@ def weight_args(cfg: dict) -> dict:
         raise ValueError(f"{len(groups)} quantization config groups; supported: one ({SUPPORTED})")
     g = groups[0]
     w, fmt = g.get("weights") or {}, g.get("format") or cfg.get("format")
+    bits, strategy = w.get("num_bits"), w.get("strategy")
     checks = [(fmt == "pack-quantized", f"format {fmt!r}"),
-              ((w.get("num_bits"), w.get("type")) == (4, "int"), f"{w.get('num_bits')}-bit {w.get('type')} weights"),
-              (w.get("strategy") == "group", f"strategy {w.get('strategy')!r}"),
+              (bits in (4, 8) and w.get("type") == "int", f"{bits}-bit {w.get('type')} weights"),
+              (strategy == "group" or (bits, strategy) == (8, "channel"), f"strategy {strategy!r} for {bits}-bit"),
+              (bits != 8 or w.get("symmetric", True), "8-bit int weights with zero points"),
               (not g.get("input_activations"), "quantized activations")]
     problems = [what for ok, what in checks if not ok]
     if problems:
@@ -61,33 +67,25 @@ def int4_linear(tensors: dict[str, torch.Tensor], bias: torch.Tensor | None, dty
     return Int4Linear.from_codes(u, scale, -(8 + zp) * scale, bias, dtype, group_size)
 
 
-def load(model_dir: Path, dtype: torch.dtype):
-    """The HF model with every quantized linear as an Int4Linear over the checkpoint's codes."""
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+def int8_linear(tensors: dict[str, torch.Tensor], bias: torch.Tensor | None, dtype: torch.dtype,
+                group_size: int | None):
+    from pagedcore.quantization import Int8Linear
 
-    cfg = quantization_config(model_dir)
-    args = weight_args(cfg)
-    config = AutoConfig.from_pretrained(str(model_dir))
-    del config.quantization_config  # the dense skeleton: transformers must not de-quantize
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    quantized = sorted({k.rsplit(".", 1)[0] for k in state if k.endswith(".weight_packed")})
-    for name in quantized:
-        parts = {k.rsplit(".", 1)[1]: state.pop(k) for k in list(state) if k.rsplit(".", 1)[0] == name}
-        linear = model.get_submodule(name)
-        if not isinstance(linear, nn.Linear):
-            raise ValueError(f"{name}: quantized weights for a {type(linear).__name__}, not a Linear")
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, int4_linear(parts, state.pop(f"{name}.bias", None), dtype,
-                                                                 args["group_size"]))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if m.rsplit(".", 1)[0] not in quantized]
-    if model.config.tie_word_embeddings:
-        missing = [m for m in missing if m != "lm_head.weight"]
-        model.tie_weights()
-    if missing or unexpected:
-        raise ValueError(f"compressed-tensors checkpoint {model_dir}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    return model
+    n, k = (int(v) for v in tensors["weight_shape"])
+    u = tensors["weight_packed"].contiguous().view(torch.uint8)[:, :k]  # little-endian: byte i is element i
+    q = (u.to(torch.int16) - 128).to(torch.int8)
+    return Int8Linear(q, tensors["weight_scale"].float(), bias, dtype, group_size)
+
+
+def load(model_dir: Path, dtype: torch.dtype):
+    """The HF model with every quantized linear as an Int4Linear / Int8Linear over the checkpoint's codes."""
+    from pagedcore import quantized_checkpoint
+
+    args = weight_args(quantization_config(model_dir))
+
+    def build(name: str, parts: dict[str, torch.Tensor]) -> nn.Module:
+        if args["num_bits"] == 8:
+            return int8_linear(parts, parts.get("bias"), dtype, args.get("group_size"))
+        return int4_linear(parts, parts.get("bias"), dtype, args["group_size"])
+
+    return quantized_checkpoint.load(model_dir, dtype, "weight_packed", build, "compressed-tensors")

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+# KV cache element types: "auto" stores K/V in the model dtype; the others quantize them (kernels/kv_quant.py).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+
 if TYPE_CHECKING:  # torch is imported on use: `import pagedcore` alone stays light
     import torch
 
@@ -16,6 +19,9 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     block_size: int = 16
+    # "auto" (the model dtype) | "int8" | "fp8_e4m3": K/V quantized on write with a scale per token and KV
+    # head, de-quantized by the attention kernels; about half the bytes of bf16, so the budget holds ~1.9x the blocks
+    kv_cache_dtype: str = "auto"
     kv_cache_memory: int | None = None  # bytes for the KV cache; None: kv_cache_fraction of free memory
     kv_cache_fraction: float = 0.2
     num_kv_blocks: int | None = None  # overrides both of the above (tests, tight budgets)
@@ -31,7 +37,9 @@ class EngineConfig:
     attention_backend: str | None = None  # None: picked from the device through the hook
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (requests' priority: lower runs first) | a plugin's
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
-    quantization: str | None = None  # None | "int4": weight-only int4 linears (CPU; single-stream speed)
+    # None | "int4": weight-only int4 linears (CPU; single-stream speed) | "gguf": a GGUF's Q4_0/Q4_1/Q8_0
+    # linears kept quantized as the file stores them. Pre-quantized HF checkpoints need none (config.json says)
+    quantization: str | None = None
     pack_weights: bool = True  # CPU: linears run over weights packed once at load (pagedcore/packed_linear.py)
     # Capture the model forward with torch.compile (pagedcore/capture.py); eager if it fails.
     # None: on for CUDA (CUDA graphs), off for CPU, where the captured step measured no faster than
@@ -40,6 +48,21 @@ class EngineConfig:
     # Speculative decoding, vLLM's keys (README, "Speculative decoding"): {"method": "ngram" | "draft_model" |
     # "layer_skip", "num_speculative_tokens": k, ...}; JSON on the command line. None: off.
     speculative_config: dict | None = None
+    # ---- tensor parallelism (README "Tensor parallelism"; pagedcore/distributed/) ----
+
+    # Ranks the model is sharded over by its Hugging Face tensor-parallel plan (column-parallel q/k/v/gate/up,
+    # row-parallel o/down with an all-reduce); each rank holds its share of the heads and of the KV cache
+    tensor_parallel_size: int = 1
+    # How the ranks start: None spawns tensor_parallel_size - 1 worker processes on this host (rendezvous on a
+    # free loopback port); "external_launcher": every rank runs the same script under torchrun (env://
+    # rendezvous, ranks may live on several hosts) and rank 0's LLM returns the outputs
+    distributed_executor_backend: str | None = None
+    # Seconds a rank waits for the others in one collective; a worker that died or hangs fails the step
+    # within this time and marks the engine unhealthy
+    distributed_timeout: float = 60.0
+    # With tensor_parallel_size > 1: shard the embedding and the LM head over the vocabulary where the
+    # model's plan does (logits gathered on rank 0); off keeps both whole on every rank
+    tensor_parallel_vocab: bool = True
     # ---- limits (README "Limits and failure behaviour"; TGI's names where TGI has the setting) ----
 
     # Requests admitted and unfinished at once; past it a request is refused at once (HTTP 429 with
@@ -71,8 +94,10 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
-        if self.quantization not in (None, "int4"):
-            raise ValueError(f"quantization must be None or 'int4', got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.quantization not in (None, "int4", "gguf"):
+            raise ValueError(f"quantization must be None, 'int4' or 'gguf', got {self.quantization!r}")
         for name in ("max_concurrent_requests", "max_input_tokens", "max_total_tokens", "max_best_of",
                      "max_stop_sequences", "payload_limit", "max_json_depth", "max_consecutive_step_failures"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
@@ -82,6 +107,19 @@ class EngineConfig:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if not 0 < self.kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in (None, "mp", "external_launcher"):
+            raise ValueError("distributed_executor_backend must be None (spawn workers), 'mp' (the same) or "
+                             f"'external_launcher' (torchrun), got {self.distributed_executor_backend!r}")
+        if self.distributed_timeout <= 0:
+            raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
+        if self.tensor_parallel_size > 1 and self.speculative_config is not None:
+            raise ValueError("speculative decoding does not run with tensor_parallel_size > 1 (its proposers and "
+                             "verification run one model in one process): set one of them off")
+        if self.tensor_parallel_size > 1 and self.compile:
+            raise ValueError("compile=True does not run with tensor_parallel_size > 1 (the captured forward has no "
+                             "collectives): leave compile unset or False")
         if self.speculative_config is not None:
             from pagedcore.spec_decode.config import SpeculativeConfig
 
@@ -95,6 +133,8 @@ class EngineConfig:
         return torch.device(self.device)
 
     def use_compile(self, device: torch.device) -> bool:
+        if self.tensor_parallel_size > 1:
+            return False  # the captured graph would hold no all-reduce (README "Tensor parallelism")
         return device.type == "cuda" if self.compile is None else self.compile
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:

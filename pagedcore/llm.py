@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Sequence as Seq
 
 from tqdm.auto import tqdm
@@ -15,15 +16,42 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, model: str | None = None, plugins=(), **engine_settings):
+        self.worker = None  # a torchrun rank other than 0 (distributed_executor_backend="external_launcher")
+        if engine_settings.get("distributed_executor_backend") == "external_launcher" \
+                and os.environ.get("RANK", "0") != "0" and engine_settings.get("tensor_parallel_size", 1) > 1:
+            from pagedcore.config import EngineConfig
+            from pagedcore.distributed.worker import ExternalWorker
+
+            self.engine = None
+            self.worker = ExternalWorker(EngineConfig(model=model, **engine_settings))
+            return
         self.engine = LLMEngine(model=model, plugins=plugins, **engine_settings)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers now (also done when the LLM is dropped, and at exit)."""
+        if self.engine is not None:
+            self.engine.shutdown()
+
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        return self.worker.tokenizer if self.worker is not None else self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
         """One output per prompt, in prompt order. A prompt is a string or a list of token ids;
-        `priority` (one per prompt) needs `scheduling_policy="priority"`."""
+        `priority` (one per prompt) needs `scheduling_policy="priority"`. Under torchrun
+        (external_launcher) every rank makes the same calls: rank 0's returns the outputs, the other
+        ranks' run rank 0's steps on their shards and return []."""
+        if self.worker is not None:
+            self.worker.serve()
+            return []
+        try:
+            return self._generate(prompts, sampling_params, use_tqdm, priority)
+        finally:
+            executor = getattr(self.engine, "executor", None)
+            if executor is not None:
+                executor.end_call()  # external_launcher: the other ranks' call returns
+
+    def _generate(self, prompts, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
@@ -46,6 +74,8 @@ class LLM:
     def chat(self, conversations: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate."""
+        if self.worker is not None:
+            return self.generate([])
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]

@@ -80,6 +80,13 @@ class LLMEngine:
         self.dtype = self.config.torch_dtype(self.device)
         self.model, self.tokenizer = hook.pagedcore_load_model(config=self.config)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.executor = None  # tensor parallelism (pagedcore/distributed/): rank 0's side
+        if self.config.tensor_parallel_size > 1:
+            from pagedcore.distributed.executor import TPExecutor
+
+            self.executor = TPExecutor(self.config, self.model, self.device)  # workers up, this rank's shard
+            # A dropped engine (one whose start failed below included) leaves no worker behind.
+            weakref.finalize(self, self.executor.shutdown)
         if self.config.quantization == "int4":
             from pagedcore.quantization import quantize_int4
 
@@ -87,7 +94,10 @@ class LLMEngine:
         backend = hook.pagedcore_attention_backend(name=self.config.attention_backend, device=self.device)
         if backend is None:
             raise ValueError(f"no attention backend {self.config.attention_backend!r} for {self.device}")
-        self.runner = ModelRunner(self.config, self.model, backend, self.device, self.model.dtype)
+        if self.executor is None:
+            self.runner = ModelRunner(self.config, self.model, backend, self.device, self.model.dtype)
+        else:  # rank 0's runner: it broadcasts each step to the workers (distributed/executor.py)
+            self.runner = self.executor.make_runner(backend, self.model.dtype)
         self.kv = KVCacheManager(self.runner.num_blocks, self.config.block_size,
                                  enable_prefix_caching=self.config.enable_prefix_caching,
                                  num_cpu_blocks=self.runner.num_cpu_blocks)
@@ -112,9 +122,25 @@ class LLMEngine:
         self.aborted = RequestCounts(ABORT_REASONS)  # by reason: pagedcore:requests_aborted_total
         self.num_step_failures = 0
         self.consecutive_step_failures = 0
-        self.healthy = True  # False after max_consecutive_step_failures failed steps in a row
+        self._healthy = True  # False after max_consecutive_step_failures failed steps in a row
         logger.info("pagedcore engine ready: %s, %s, %s backend; KV cache %d blocks = %d tokens",
                     self.device, self.dtype, backend.name, self.kv.num_blocks, self.kv.num_blocks * self.config.block_size)
+
+    @property
+    def healthy(self) -> bool:
+        """False after max_consecutive_step_failures failed steps in a row, or once a tensor-parallel
+        worker died or hung (the executor cannot go on)."""
+        return self._healthy and (self.executor is None or self.executor.healthy)
+
+    @healthy.setter
+    def healthy(self, value: bool) -> None:
+        self._healthy = value
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; also done when the engine is dropped
+        and at interpreter exit)."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     # ---- requests -------------------------------------------------------------------------
     def process_prompt(self, prompt: str | list[int], params: SamplingParams | dict | None) -> ProcessedPrompt:
@@ -135,7 +161,9 @@ class LLMEngine:
         """Admission control: OverloadedError (counted) when `num_unfinished` requests already fill
         max_concurrent_requests, or the engine is unhealthy. Pure: callers may run it anywhere."""
         if not self.healthy:
-            e = EngineDeadError(f"the engine is unhealthy after {self.consecutive_step_failures} failed steps in a row")
+            why = (f"after {self.consecutive_step_failures} failed steps in a row" if not self._healthy else
+                   f"({self.executor.failure or 'its tensor-parallel executor is shut down'})")
+            e = EngineDeadError(f"the engine is unhealthy {why}")
         elif num_unfinished >= self.max_concurrent_requests:
             e = OverloadedError(f"the server is overloaded: {num_unfinished} requests in flight, "
                                 f"max_concurrent_requests is {self.max_concurrent_requests}; retry later",

@@ -12,6 +12,7 @@ from pagedcore.attention import hf_glue
 from pagedcore.attention.backend import AttentionMetadata
 from pagedcore.config import EngineConfig
 from pagedcore.input_batch import InputBatch
+from pagedcore.kernels import kv_quant
 from pagedcore.scheduler import SchedulerOutput
 
 logger = logging.getLogger("pagedcore")
@@ -65,7 +66,10 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.shape = ModelShape.from_hf_config(model.config)
+        # Tensor parallelism (distributed/tp_plan.py): this rank holds only its share of the KV heads.
+        self.shape.num_kv_heads = getattr(model, "_pagedcore_tp_kv_heads", self.shape.num_kv_heads)
         self.block_size = config.block_size
+        self.kv_layout = self._kv_layout()
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate_kv_cache()
         self.num_cpu_blocks = self._num_cpu_blocks()
@@ -88,8 +92,23 @@ class ModelRunner:
         max_len = min(self.config.max_model_len or self.shape.max_position_embeddings, self.num_blocks * self.block_size)
         self.input_batch = InputBatch(self.config.max_num_seqs, max_len, self.block_size)
 
+    def _kv_layout(self) -> kv_quant.KVCacheLayout | None:
+        """The quantized cache's layout (None: K/V in the model dtype), checked against the device and backend."""
+        name = self.config.kv_cache_dtype
+        if name == "auto":
+            return None
+        kv_quant.check_kv_cache_dtype(name, self.device)
+        supported = getattr(self.backend, "kv_cache_dtypes", ("auto",))
+        if name not in supported:
+            raise ValueError(f"attention backend {self.backend.name!r} supports kv_cache_dtype {', '.join(supported)}; "
+                             f"got {name!r}")
+        return kv_quant.KVCacheLayout(name, self.block_size, self.shape.num_kv_heads, self.shape.head_dim)
+
     def bytes_per_block(self) -> int:
+        """K and V of every layer; a quantized block counts its data and its scales."""
         s = self.shape
+        if self.kv_layout is not None:
+            return 2 * s.num_layers * self.kv_layout.block_bytes
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * elem
 
@@ -116,8 +135,12 @@ class ModelRunner:
         device = device or self.device
         # torch.empty: pages are touched only as blocks are used, so start-up does not pay for the
         # whole budget. Backends must never let unwritten slots (possibly NaN) reach an output.
-        caches = [(torch.empty(shape, dtype=self.dtype, device=device),
-                   torch.empty(shape, dtype=self.dtype, device=device)) for _ in range(s.num_layers)]
+        if self.kv_layout is not None:  # uint8 [num_blocks, block_bytes], scales inside each block
+            caches = [(kv_quant.allocate(self.kv_layout, num_blocks, device),
+                       kv_quant.allocate(self.kv_layout, num_blocks, device)) for _ in range(s.num_layers)]
+        else:
+            caches = [(torch.empty(shape, dtype=self.dtype, device=device),
+                       torch.empty(shape, dtype=self.dtype, device=device)) for _ in range(s.num_layers)]
         logger.info("%s: %d blocks = %d tokens (%.1f MiB, block_size %d)", "KV cache" if main else "CPU swap space",
                     num_blocks, num_blocks * self.block_size, num_blocks * self.bytes_per_block() / 2**20,
                     self.block_size)

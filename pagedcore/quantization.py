@@ -58,19 +58,24 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_codes(cls, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bias: torch.Tensor | None,
-                   dtype: torch.dtype, group_size: int, int8_activations: bool = False) -> "Int4Linear":
+                   dtype: torch.dtype, group_size: int, input_perm: torch.Tensor | None = None,
+                   int8_activations: bool = False) -> "Int4Linear":
         """A checkpoint's own 4-bit grid, kept exactly: w = q * scale + lo, q in 0..15 [N, K], scale
-        and lo [N, K / group_size] (fp32). Activations stay unquantized (W4A16 formats define their
-        output so) unless `int8_activations`."""
+        and lo [N, K / group_size] (fp32). `input_perm`: the layer computes x[..., input_perm] @ w.T
+        (GPTQ's act-order checkpoints, whose groups are contiguous only once the inputs are permuted).
+        Activations stay unquantized (W4A16 formats define their output so) unless `int8_activations`."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._pack(q.to(torch.int32), scale.float(), lo.float(), bias, dtype, group_size, q.device)
         self.int8_activations = int8_activations
+        if input_perm is not None:
+            self.input_perm = input_perm.long()
         return self
 
     def _pack(self, q, scale, lo, bias, dtype, group_size, device) -> None:
         n, k = q.shape
         self.in_features, self.out_features, self.group_size = k, n, group_size
+        self.register_buffer("input_perm", None)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
         self.ext = cpu_ext.load() if device.type == "cpu" else None
         if self.ext is not None:
@@ -85,6 +90,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_perm is not None:
+            x = x.index_select(-1, self.input_perm)
         if self.ext is not None:
             return self.ext.packed_linear_int4(x, self.packed, self.scales_and_zeros, self.out_features,
                                                self.group_size, self.bias,
@@ -112,3 +119,35 @@ def quantize_int4(model: nn.Module, device: torch.device) -> int:
         undos.append(functools.partial(setattr, parent, child, linear))
     installs.record(model, installs.undo_all(undos))
     return len(targets)
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8 linear: w = q * scale, q int8 [N, K], scale [N] (one per output channel) or
+    [N, K / group_size] (groups: GGUF Q8_0, compressed-tensors' group strategy).
+
+    Per channel runs torch's `_weight_int8pack_mm` (int8 weights read as they are). Groups are widened
+    to the activation dtype per call in torch: exact, and the resident weight is int8, but each call
+    writes a dense copy, so it is slower than a dense linear; a grouped int8 kernel is still to come."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 group_size: int | None = None):
+        super().__init__()
+        n, k = q.shape
+        self.in_features, self.out_features = k, n
+        self.group_size = None if group_size in (None, k) else group_size
+        self.register_buffer("qweight", q.to(torch.int8).contiguous())
+        # per channel: torch's kernel takes the scales in the activation dtype; groups keep fp32 (GGUF's fp16 exactly)
+        self.register_buffer("scale", scale.reshape(n).to(dtype) if self.group_size is None else scale.float())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if self.group_size is None:
+            out = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale.to(x.dtype))
+        else:
+            n, g = self.out_features, self.group_size
+            w = (self.qweight.view(n, -1, g) * self.scale[..., None]).view(n, self.in_features).to(x.dtype)
+            out = x2 @ w.t()
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)

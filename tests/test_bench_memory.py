@@ -125,3 +125,42 @@ def test_budget_smaller_than_the_longest_sequence_is_a_clear_error(tiny_model_di
     args = parse(["--model", str(tiny_model_dir("llama")), *SMALL, "--kv-budget-mib", "0.01"])
     with pytest.raises(ValueError, match="less than the longest sequence"):
         memory.main(args)
+
+
+def test_weights_counts_resident_bytes_per_format(tiny_model_dir, tmp_path):
+    """Dense fp32 vs int4 on the tiny model: every storage once; int4 linears hold 4-bit codes plus an fp32
+    scale and min per 32 weights (0.75 bytes a weight), the dense ones fp32 plus the packed copy."""
+    d = str(tiny_model_dir("llama"))
+    out = tmp_path / "weights.json"
+    assert memory.main(parse(["--weights", d, "--weights", f"{d}@int4", "--dtype", "float32", "--num-threads", "1",
+                              "--json", str(out)])) == 0
+    dense, int4 = json.loads(out.read_text())["weights"]
+    layer = 64 * 64 * 2 + 32 * 64 * 2 + 128 * 64 * 3  # q, o; k, v (2 KV heads of 16); gate, up, down
+    linear_weights = 2 * layer + 49152 * 64  # + the untied LM head
+    # embedding, two norms per layer, the final norm; rotary inv_freq (head_dim / 2) and its original copy
+    other = (49152 * 64 + 2 * 2 * 64 + 64 + 2 * 8) * 4
+    assert dense["other"] == int4["other"] == other
+    assert (dense["num_quantized"], int4["num_quantized"]) == (0, 15)
+    assert dense["linear"] >= 4 * linear_weights  # fp32 (the packed copy, where the C++ ops load, on top)
+    assert int4["linear"] == int4["linear_quantized"]
+    assert 0.75 * linear_weights <= int4["linear"] <= 0.8 * linear_weights
+    assert int4["total_vs_first"] == round(int4["total"] / dense["total"], 3) < 1
+
+
+def test_kv_capacity_per_kv_cache_dtype(report):
+    rows = {r["kv_cache_dtype"]: r for r in report["kv_capacity"]}
+    assert list(rows) == ["auto", "int8", "fp8_e4m3"]
+    auto, int8 = rows["auto"], rows["int8"]
+    # fp32 tiny model (head_dim 16): 4 bytes a value; int8 1 byte a value plus a 2-byte scale per token and head.
+    assert auto["bytes_per_block"] == report["concurrency"]["bytes_per_block"]
+    assert int8["bytes_per_block"] == 2 * 2 * BLOCK * 2 * (16 + 2)
+    assert rows["fp8_e4m3"]["bytes_per_block"] == int8["bytes_per_block"]
+    for r in rows.values():
+        assert r["budget_blocks"] == int(0.05 * 2**20) // r["bytes_per_block"]
+        assert r["max_seqs"] == r["budget_blocks"] // -(-r["seq_len"] // BLOCK)
+        assert r["vs_model_dtype"] == pytest.approx(r["budget_blocks"] / auto["budget_blocks"], abs=1e-3)
+        assert 0 <= r["agreement"] <= 1 and 0 <= r["identical_prompts"] <= r["num_prompts"] == 8
+    assert auto["agreement"] == 1 and auto["identical_prompts"] == 8  # the reference against itself
+    assert int8["budget_blocks"] >= 3 * auto["budget_blocks"]
+    rendered = dict(memory.table_rows(report))
+    assert any("kv_cache_dtype int8" in k for k in rendered)

@@ -16,7 +16,7 @@ from pagedcore import compressed_tensors as ct  # noqa: E402
 from pagedcore.quantization import Int4Linear  # noqa: E402
 
 
-def make_checkpoint(path, tokenizer, group_size=32, symmetric=True, num_bits=4):
+def make_checkpoint(path, tokenizer, group_size=32, symmetric=True, num_bits=4, strategy="group"):
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
                                                  apply_quantization_config)
@@ -24,14 +24,16 @@ def make_checkpoint(path, tokenizer, group_size=32, symmetric=True, num_bits=4):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32)
-    args = QuantizationArgs(num_bits=num_bits, type="int", symmetric=symmetric, strategy="group", group_size=group_size)
+    if strategy == "channel":
+        group_size = None
+    args = QuantizationArgs(num_bits=num_bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group_size)
     apply_quantization_config(model, QuantizationConfig(
         config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)}, ignore=["lm_head"],
         format="pack-quantized"))
     qmax = 2 ** (num_bits - 1)
     for m in model.modules():
         if hasattr(m, "weight_scale"):  # round-to-nearest scales, as a min/max observer would set them
-            w = m.weight.data.view(m.weight.shape[0], -1, group_size)
+            w = m.weight.data.view(m.weight.shape[0], -1, group_size or m.weight.shape[1])
             if symmetric:
                 scale, zp = w.abs().amax(-1) / (qmax - 0.5), torch.zeros(w.shape[:2])
             else:
@@ -102,8 +104,29 @@ def test_zero_points_match_compressed_tensors_own_dequantization(tmp_path, smoll
     torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("strategy", ["channel", "group"])
+def test_w8a16_logits_equal_transformers_decompression(tmp_path, smollm2_tokenizer, strategy):
+    from transformers import AutoModelForCausalLM
+
+    from pagedcore.quantization import Int8Linear
+
+    path = make_checkpoint(tmp_path, smollm2_tokenizer, num_bits=8, strategy=strategy)
+    ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    ours = ct.load(path, torch.float32)
+    linears = [m for m in ours.modules() if isinstance(m, Int8Linear)]
+    assert len(linears) == 14 and all(m.group_size == (None if strategy == "channel" else 32) for m in linears)
+    ids = torch.tensor([[1, 500, 600, 700, 42, 9000, 31]])
+    with torch.no_grad():
+        a, b = ref(ids).logits, ours(ids).logits
+    assert torch.isfinite(b).all() and a.abs().max() > 1
+    torch.testing.assert_close(b, a, atol=1e-4 * a.abs().max().item(), rtol=1e-4)
+    llm = LLM(str(path), num_kv_blocks=64, block_size=8)
+    out = llm.generate([[1, 500, 600, 700]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == hf_greedy(ref, [1, 500, 600, 700], 12)[0]
+
+
 def test_unsupported_schemes_are_refused_naming_what_is_supported(tmp_path, smollm2_tokenizer):
-    path = make_checkpoint(tmp_path / "w8", smollm2_tokenizer, num_bits=8)
+    path = make_checkpoint(tmp_path / "w8", smollm2_tokenizer, num_bits=8, symmetric=False)
     with pytest.raises(ValueError, match="8-bit int weights.*supported: compressed-tensors pack-quantized int4"):
         LLM(str(path), num_kv_blocks=16)
     cfg = json.loads((path / "config.json").read_text())

@@ -131,3 +131,21 @@ def test_int8_activations_agree_with_fp32_activations_on_smollm2(smollm2_dir, ch
     agree = [common_prefix(a.token_ids, b.token_ids) for a, b in zip(exact, int8)]
     print("int8 vs fp32 activations, tokens before the first divergence:", agree)
     assert sum(agree) / (48 * len(agree)) >= FLOOR_AGREEMENT and agree.count(48) >= FLOOR_IDENTICAL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group_size", [None, 32])
+def test_int8_linear_equals_its_dequantized_weight(dtype, group_size):
+    from pagedcore.quantization import Int8Linear
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (48, 128), generator=g, dtype=torch.int8)
+    scale = torch.rand(48, 1 if group_size is None else 128 // group_size, generator=g) * 0.01 + 1e-3
+    bias = torch.randn(48, generator=g)
+    w = (q.double().view(48, scale.shape[1], -1) * scale.double()[..., None]).view(48, 128)
+    x = torch.randn(2, 5, 128, generator=g)
+    ref = x.double() @ w.T + bias.double()
+    out = Int8Linear(q, scale, bias, dtype, group_size)(x.to(dtype))
+    assert out.dtype == dtype and out.shape == (2, 5, 48)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < (1e-6 if dtype == torch.float32 else 1e-2), err

@@ -1,12 +1,17 @@
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention, one query token per sequence");
+  m.def("paged_decode", &paged_decode, "paged decode attention, one query token per sequence",
+        py::arg("query"), py::arg("rows"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
+        py::arg("seq_lens"), py::arg("scale"), py::arg("window"), py::arg("softcap"), py::arg("k_scales") = py::none(),
+        py::arg("v_scales") = py::none());
   m.def("rms_norm", &rms_norm, "transformers' Llama RMSNorm");
   m.def("add_rms_norm", &add_rms_norm, "(x + residual, rms_norm(x + residual))");
   m.def("rotary_embedding_", &rotary_embedding_, "rotate q and k in place (transformers' rotate_half RoPE)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("write_kv_cache", &write_kv_cache, "key/value [T, Hkv, D] into the paged caches at slot_mapping");
+  m.def("write_kv_cache_quant", &write_kv_cache_quant,
+        "key/value [T, Hkv, D] quantized (int8 / fp8 e4m3, one fp16 scale per token and head) into the caches");
   m.def("argmax_logsumexp", &argmax_logsumexp, "per row: (argmax, logsumexp)");
   m.def("pack_linear_weight", &pack_linear_weight, "W [N, K] -> panels [ceil(N/16), K, 16], same dtype");
   m.def("packed_linear", &packed_linear, "x @ W^T (+ bias) over a packed weight; fp32 accumulation",

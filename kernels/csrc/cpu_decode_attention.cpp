@@ -15,11 +15,16 @@
 // in that (even, odd) order, so the loops never shuffle. fp16 goes through F16C.
 // Split sequences (flash-decoding): each partition keeps its max and sum, a cheap combine rescales.
 // Only positions < seq_len (inside the window) are ever read: unwritten cache slots may hold NaN.
+// Quantized caches (kv_cache_dtype int8 / fp8_e4m3, kernels/kv_quant.py): int8 rows are widened to fp32
+// in registers (sign-extend, convert), e4m3 rows through a 256-entry table; the fp16 scale of each
+// (position, KV head) multiplies its score after the dot product, and its softmax weight before the
+// weighted sum of V, so the inner loops never touch the scales.
 //
 // AVX2 + FMA path for head_dim % 16 == 0 (head_dim 64 and 128 compiled as constants); a portable
 // scalar path with the same structure otherwise, or when built without AVX2.
 #include "ops.h"
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -48,15 +53,48 @@ inline float to_float<c10::BFloat16>(c10::BFloat16 x) {  // c10's conversion doe
   return f;
 }
 
-// Element offset of the cache row (all KV heads) of each position in [p0, p1) of one sequence.
+// e4m3 (float8_e4m3fn) -> fp32, all 256 codes, filled when the module loads.
+struct Fp8Table {
+  alignas(64) float v[256];
+  Fp8Table() {
+    for (int i = 0; i < 256; ++i) v[i] = static_cast<float>(c10::Float8_e4m3fn(uint8_t(i), c10::Float8_e4m3fn::from_bits()));
+  }
+};
+const Fp8Table kFp8;
+
+template <>
+inline float to_float<int8_t>(int8_t x) {
+  return static_cast<float>(x);
+}
+template <>
+inline float to_float<c10::Float8_e4m3fn>(c10::Float8_e4m3fn x) {
+  return kFp8.v[x.x];
+}
+
+// Element offset of the cache row (all KV heads) of each position in [p0, p1) of one sequence: rows
+// are dense within a block, blocks `block_stride` elements apart (wider than a block's rows when a
+// quantized block keeps its scales after them). With row_elems = Hkv and the scales' block stride,
+// the same gives each position's first scale.
 inline void row_offsets(const int32_t* table, int64_t p0, int64_t p1, int64_t block_size, int64_t row_elems,
-                        int64_t* off) {
+                        int64_t block_stride, int64_t* off) {
   int64_t p = p0;
   while (p < p1) {
     const int64_t o = p % block_size, run = std::min(block_size - o, p1 - p);
-    const int64_t base = (int64_t(table[p / block_size]) * block_size + o) * row_elems;
+    const int64_t base = int64_t(table[p / block_size]) * block_stride + o * row_elems;
     for (int64_t i = 0; i < run; ++i) off[p - p0 + i] = base + i * row_elems;
     p += run;
+  }
+}
+
+// w[h * count + t] *= scale of (position t, KV head h / g), for all hkv * g heads: a quantized cache's
+// per-row scale applied to scores (K) or softmax weights (V).
+inline void apply_row_scales(float* w, int64_t hkv, int64_t g, int64_t count, const c10::Half* scales,
+                             const int64_t* soff) {
+  for (int64_t kv = 0; kv < hkv; ++kv) {
+    for (int64_t t = 0; t < count; ++t) {
+      const float f = static_cast<float>(scales[soff[t] + kv]);
+      for (int64_t h = kv * g; h < (kv + 1) * g; ++h) w[h * count + t] *= f;
+    }
   }
 }
 
@@ -150,6 +188,16 @@ struct Rows<c10::BFloat16> {
     return _mm256_castsi256_ps(_mm256_and_si256(raw(p), _mm256_set1_epi32(int(0xffff0000u))));
   }
 };
+
+template <>
+PC_INLINE __m256 load8<int8_t>(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+template <>
+PC_INLINE __m256 load8<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* p) {
+  const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_i32gather_ps(kFp8.v, idx, 4);
+}
 
 // Natural-order fp32 vector load / store of 8 elements of any cache or query dtype.
 template <>
@@ -481,7 +529,8 @@ template <typename T, typename Q>
 void decode_kernel(const Q* query, const T* k_cache, const T* v_cache, const int32_t* block_table,
                    const int32_t* seq_lens, const int64_t* rows, Q* out, int64_t n, int64_t hq, int64_t hkv, int64_t d,
                    int64_t block_size, int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride, float scale,
-                   int64_t window, float softcap) {
+                   int64_t window, float softcap, int64_t block_stride, const c10::Half* k_scales,
+                   const c10::Half* v_scales, int64_t scale_block_stride) {
   const int64_t group = hq / hkv, row_elems = hkv * d;
 #ifdef PC_ATTN_AVX2
   const bool vec = d % 16 == 0;
@@ -520,7 +569,7 @@ void decode_kernel(const Q* query, const T* k_cache, const T* v_cache, const int
   const int64_t work = std::max<int64_t>(1, total / std::max<int64_t>(1, num_items)) * hq * d;
   at::parallel_for(0, num_items, grain_for(work, 1 << 18), [&](int64_t begin, int64_t end) {
     std::vector<float> q(hq * d), acc(hq * d), scores, ml(2 * hq);
-    std::vector<int64_t> off;
+    std::vector<int64_t> off, soff;
     for (int64_t it = begin; it < end; ++it) {
       const Item& item = items[it];
       const int64_t count = item.p1 - item.p0;
@@ -536,7 +585,12 @@ void decode_kernel(const Q* query, const T* k_cache, const T* v_cache, const int
       if (count > 0) {
         if (int64_t(off.size()) < count) off.resize(count);
         if (int64_t(scores.size()) < hq * count) scores.resize(hq * count);
-        row_offsets(block_table + item.seq * max_blocks, item.p0, item.p1, block_size, row_elems, off.data());
+        const int32_t* table = block_table + item.seq * max_blocks;
+        row_offsets(table, item.p0, item.p1, block_size, row_elems, block_stride, off.data());
+        if (k_scales != nullptr) {
+          if (int64_t(soff.size()) < count) soff.resize(count);
+          row_offsets(table, item.p0, item.p1, block_size, hkv, scale_block_stride, soff.data());
+        }
         float* sc = scores.data();
         // Scores [hq, count] (query head h reads KV head h / group), softmax per head, weighted V.
 #ifdef PC_ATTN_AVX2
@@ -549,6 +603,7 @@ void decode_kernel(const Q* query, const T* k_cache, const T* v_cache, const int
 #endif
           for (int64_t kv = 0; kv < hkv; ++kv)
             scores_scalar(&q[kv * group * d], group, k_cache + kv * d, off.data(), count, d, sc + kv * group * count);
+        if (k_scales != nullptr) apply_row_scales(sc, hkv, group, count, k_scales, soff.data());
         if (softcap > 0.f)
           for (int64_t j = 0; j < hq * count; ++j) sc[j] = softcap * std::tanh(sc[j] / softcap);
         for (int64_t h = 0; h < hq; ++h) {
@@ -558,6 +613,8 @@ void decode_kernel(const Q* query, const T* k_cache, const T* v_cache, const int
 #endif
             softmax_scalar(sc + h * count, count, &ml[2 * h], &ml[2 * h + 1]);
         }
+        // After the softmax (its sums stay those of the weights): V's scales go into the weights.
+        if (v_scales != nullptr) apply_row_scales(sc, hkv, group, count, v_scales, soff.data());
 #ifdef PC_ATTN_AVX2
         if (vec) {
           if (d == 64) pv_avx2<T, 64>(sc, hkv, group, v_cache, off.data(), count, d, row_elems, acc.data());
@@ -626,28 +683,52 @@ void decode_kernel(const Q* query, const T* k_cache, const T* v_cache, const int
 }  // namespace
 
 // query [T, Hq, D] (last dim contiguous); rows [n] int64: query row of each sequence;
-// caches [num_blocks, block_size, Hkv, D] contiguous; block_table [n, max_blocks] int32; seq_lens [n] int32.
-// Returns [n, Hq, D] in query's dtype.
+// caches [num_blocks, block_size, Hkv, D], rows dense within a block (blocks any stride apart); block_table
+// [n, max_blocks] int32; seq_lens [n] int32. A quantized cache (int8 / float8_e4m3fn) comes with its fp16
+// scales [num_blocks, block_size, Hkv]. Returns [n, Hq, D] in query's dtype.
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor rows, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_table, torch::Tensor seq_lens, double scale, int64_t window,
-                           double softcap) {
-  TORCH_CHECK(query.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(), "layout");
+                           double softcap, c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales) {
+  const int64_t n = rows.size(0), hq = query.size(1), d = query.size(2);
+  const int64_t hkv = k_cache.size(2), block_size = k_cache.size(1);
+  TORCH_CHECK(query.stride(2) == 1, "query layout");
+  for (const auto& c : {k_cache, v_cache})
+    TORCH_CHECK(c.stride(3) == 1 && c.stride(2) == d && c.stride(1) == hkv * d, "cache rows dense within a block");
+  TORCH_CHECK(k_cache.stride(0) == v_cache.stride(0), "K and V caches of one layout");
   TORCH_CHECK(block_table.is_contiguous() && block_table.scalar_type() == at::kInt, "block_table int32");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && rows.scalar_type() == at::kLong, "seq_lens int32, rows int64");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches of one dtype");
-  const int64_t n = rows.size(0), hq = query.size(1), d = query.size(2);
-  const int64_t hkv = k_cache.size(2), block_size = k_cache.size(1);
   TORCH_CHECK(hkv > 0 && hq % hkv == 0 && k_cache.size(3) == d, "heads / head_dim");
+  const bool quant = k_cache.scalar_type() == at::kChar || k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(quant == (k_scales.has_value() && v_scales.has_value()), "scales exactly with an int8 / fp8 cache");
+  const c10::Half *ks = nullptr, *vs = nullptr;
+  int64_t scale_block_stride = 0;
+  if (quant) {
+    for (const auto& c : {*k_scales, *v_scales})
+      TORCH_CHECK(c.scalar_type() == at::kHalf && c.stride(2) == 1 && c.stride(1) == hkv, "scales fp16, dense rows");
+    TORCH_CHECK(k_scales->stride(0) == v_scales->stride(0), "K and V scales of one layout");
+    ks = k_scales->data_ptr<c10::Half>();
+    vs = v_scales->data_ptr<c10::Half>();
+    scale_block_stride = k_scales->stride(0);
+  }
   auto out = torch::empty({n, hq, d}, query.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode_kv", [&] {
-    using T = scalar_t;
+  auto run = [&](auto cache_elem) {
+    using T = decltype(cache_elem);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_q", [&] {
       decode_kernel<T, scalar_t>(query.data_ptr<scalar_t>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
                                  block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                                  rows.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), n, hq, hkv, d, block_size,
                                  block_table.size(1), query.stride(0), query.stride(1), float(scale), window,
-                                 float(softcap));
+                                 float(softcap), k_cache.stride(0), ks, vs, scale_block_stride);
     });
-  });
+  };
+  if (k_cache.scalar_type() == at::kChar) {
+    run(int8_t{});
+  } else if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {
+    run(c10::Float8_e4m3fn{});
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode_kv",
+                                    [&] { run(scalar_t{}); });
+  }
   return out;
 }

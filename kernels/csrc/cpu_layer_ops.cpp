@@ -5,9 +5,11 @@
 #include "ops.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 // No fused multiply-add where transformers rounds between the multiply and the add (fp32 path).
 #pragma GCC optimize("fp-contract=off")
@@ -154,5 +156,69 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cach
     TORCH_CHECK(s < num_slots, "slot ", s, " out of range (", num_slots, " slots)");
     std::memcpy(kd + s * bytes, ks + t * bytes, bytes);
     std::memcpy(vd + s * bytes, vs + t * bytes, bytes);
+  }
+}
+
+// Quantizing cache write (kv_cache_dtype int8 / fp8_e4m3; kernels/kv_quant.py is the reference): each
+// (token, KV head) row gets scale = fp16(max|x| / qmax) and q = floor(x / scale + 0.5) clamped to +-127
+// (int8) or e4m3(x / scale) (fp8). data [num_blocks, block_size, Hkv, D] (rows dense within a block, any
+// block stride), scales [num_blocks, block_size, Hkv] fp16.
+template <typename Q>
+static void quantize_rows(const float* x, int64_t t, int64_t hkv, int64_t d, Q* data, c10::Half* scales,
+                          int64_t block, int64_t o, const torch::Tensor& data_t, const torch::Tensor& scales_t,
+                          float qmax) {
+  for (int64_t h = 0; h < hkv; ++h) {
+    const float* row = x + (t * hkv + h) * d;
+    float amax = 0.f;
+    for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(row[i]));
+    const c10::Half sh(std::min(amax / qmax, 65504.f));
+    const float s = static_cast<float>(sh);
+    Q* dst = data + block * data_t.stride(0) + o * data_t.stride(1) + h * data_t.stride(2);
+    scales[block * scales_t.stride(0) + o * scales_t.stride(1) + h] = sh;
+    for (int64_t i = 0; i < d; ++i) {
+      const float y = s > 0.f ? row[i] / s : 0.f;
+      if constexpr (std::is_same_v<Q, int8_t>) {
+        dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::floor(y + 0.5f))));
+      } else {
+        dst[i] = Q(std::min(448.f, std::max(-448.f, y)));
+      }
+    }
+  }
+}
+
+void write_kv_cache_quant(torch::Tensor key, torch::Tensor value, torch::Tensor k_data, torch::Tensor v_data,
+                          torch::Tensor k_scales, torch::Tensor v_scales, torch::Tensor slot_mapping) {
+  TORCH_CHECK(k_data.scalar_type() == v_data.scalar_type() &&
+                  (k_data.scalar_type() == at::kChar || k_data.scalar_type() == at::kFloat8_e4m3fn),
+              "int8 or float8_e4m3fn data");
+  TORCH_CHECK(k_scales.scalar_type() == at::kHalf && v_scales.scalar_type() == at::kHalf, "fp16 scales");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1, "slot_mapping int64 [T]");
+  const int64_t T = slot_mapping.size(0), bs = k_data.size(1), hkv = k_data.size(2), d = k_data.size(3);
+  for (const auto& c : {k_data, v_data})
+    TORCH_CHECK(c.stride(3) == 1 && c.stride(2) == d && c.stride(1) == hkv * d, "data rows dense within a block");
+  for (const auto& c : {k_scales, v_scales}) TORCH_CHECK(c.stride(2) == 1 && c.stride(1) == hkv, "scales dense");
+  TORCH_CHECK(key.size(0) >= T && value.size(0) >= T && key.size(1) == hkv && key.size(2) == d, "key/value [T, Hkv, D]");
+  auto k = key.narrow(0, 0, T).to(at::kFloat).contiguous(), v = value.narrow(0, 0, T).to(at::kFloat).contiguous();
+  const int64_t num_slots = k_data.size(0) * bs;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const bool int8 = k_data.scalar_type() == at::kChar;
+  const float qmax = int8 ? 127.f : 448.f;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t s = slots[t];
+    if (s < 0) continue;
+    TORCH_CHECK(s < num_slots, "slot ", s, " out of range (", num_slots, " slots)");
+    const int64_t block = s / bs, o = s % bs;
+    if (int8) {
+      quantize_rows(k.data_ptr<float>(), t, hkv, d, k_data.data_ptr<int8_t>(), k_scales.data_ptr<c10::Half>(), block,
+                    o, k_data, k_scales, qmax);
+      quantize_rows(v.data_ptr<float>(), t, hkv, d, v_data.data_ptr<int8_t>(), v_scales.data_ptr<c10::Half>(), block,
+                    o, v_data, v_scales, qmax);
+    } else {
+      using F8 = c10::Float8_e4m3fn;
+      quantize_rows(k.data_ptr<float>(), t, hkv, d, k_data.data_ptr<F8>(), k_scales.data_ptr<c10::Half>(), block, o,
+                    k_data, k_scales, qmax);
+      quantize_rows(v.data_ptr<float>(), t, hkv, d, v_data.data_ptr<F8>(), v_scales.data_ptr<c10::Half>(), block, o,
+                    v_data, v_scales, qmax);
+    }
   }
 }

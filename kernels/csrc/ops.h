@@ -12,9 +12,11 @@ inline int64_t grain_for(int64_t work_per_item, int64_t min_work = 32768) {
 }
 
 // cpu_decode_attention.cpp
+// k_cache/v_cache: [num_blocks, block_size, Hkv, D] in the model dtype, or int8 / float8_e4m3fn values of a
+// quantized cache with their fp16 scales [num_blocks, block_size, Hkv] (k_scales, v_scales).
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor rows, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_table, torch::Tensor seq_lens, double scale, int64_t window,
-                           double softcap);
+                           double softcap, c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales);
 
 // cpu_layer_ops.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -24,6 +26,8 @@ void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torc
 torch::Tensor silu_and_mul(torch::Tensor gate, torch::Tensor up);
 void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
                     torch::Tensor slot_mapping);
+void write_kv_cache_quant(torch::Tensor key, torch::Tensor value, torch::Tensor k_data, torch::Tensor v_data,
+                          torch::Tensor k_scales, torch::Tensor v_scales, torch::Tensor slot_mapping);
 
 // cpu_sampling.cpp
 std::tuple<torch::Tensor, torch::Tensor> argmax_logsumexp(torch::Tensor logits);

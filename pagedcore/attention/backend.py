@@ -39,10 +39,14 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """A paged-attention implementation.
 
-    KV cache layout, per layer: `k_cache`, `v_cache` each `[num_blocks, block_size, num_kv_heads, head_dim]`.
+    KV cache layout, per layer: `k_cache`, `v_cache` each `[num_blocks, block_size, num_kv_heads, head_dim]`,
+    or, for a quantized `kv_cache_dtype`, uint8 `[num_blocks, block_bytes]` blocks holding int8/fp8 values
+    and their scales (`pagedcore.kernels.kv_quant`: `layout_of`, `split`). Block copies and swaps move
+    whole blocks either way.
     """
 
     name: str = "abstract"
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)  # EngineConfig.kv_cache_dtype values this backend reads
 
     def build_metadata(self, common: AttentionMetadata) -> Any:
         """Derive backend-specific metadata once per step (default: use the common one)."""

@@ -16,12 +16,20 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedcore.attention.backend import AttentionBackend, AttentionMetadata
-from pagedcore.kernels import cpu_ext
+from pagedcore.kernels import cpu_ext, kv_quant
 from pagedcore.kernels.cpu_attention import cpu_paged_attention
 
 
 def write_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
     ext = cpu_ext.load() if key.device.type == "cpu" else None
+    if kv_quant.layout_of(k_cache) is not None:  # quantize on write (kernels/kv_quant.py)
+        if ext is not None:
+            k_data, k_scales = kv_quant.split(k_cache)
+            v_data, v_scales = kv_quant.split(v_cache)
+            ext.write_kv_cache_quant(key, value, k_data, v_data, k_scales, v_scales, slot_mapping)
+        else:
+            kv_quant.write(key, value, k_cache, v_cache, slot_mapping)
+        return
     if ext is not None and k_cache.is_contiguous() and v_cache.is_contiguous():
         ext.write_kv_cache(key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache, slot_mapping)
         return
@@ -68,6 +76,7 @@ class TorchAttentionMetadata:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    kv_cache_dtypes = kv_quant.KV_CACHE_DTYPES
 
     def build_metadata(self, common: AttentionMetadata) -> TorchAttentionMetadata:
         return TorchAttentionMetadata(split_short_queries(common))

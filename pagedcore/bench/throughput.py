@@ -63,11 +63,36 @@ def run_pagedcore(prompts, out_lens, settings: dict) -> tuple[Result, object, fl
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     meter.reset()
+    executor = llm.engine.executor
+    comm_before = executor.comm_stats() if executor is not None else None
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     dt = time.perf_counter() - t0
+    if executor is not None:
+        llm.tensor_parallel = tensor_parallel_report(comm_before, executor.comm_stats(), dt)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     return Result("pagedcore", "pagedcore", dt, len(prompts), sum(map(len, prompts)), n_out), llm, meter.trace.mean_pct
+
+
+def tensor_parallel_report(before: list[dict], after: list[dict], seconds: float) -> dict:
+    """Each rank's time in the model's collectives (all-reduce, gathers) over the timed run, per step and
+    as a share of the run's wall time; waiting for the slowest rank is part of it."""
+    ranks = []
+    for b, a in zip(before, after):
+        steps = max(a["steps"] - b["steps"], 1) if a["rank"] == 0 else None
+        ops = {op: {"calls": v["calls"] - b["by_op"].get(op, {}).get("calls", 0),
+                    "seconds": round(v["seconds"] - b["by_op"].get(op, {}).get("seconds", 0.0), 4)}
+               for op, v in a["by_op"].items()}
+        ranks.append({"rank": a["rank"], "comm_seconds": round(a["comm_seconds"] - b["comm_seconds"], 4),
+                      "comm_calls": a["comm_calls"] - b["comm_calls"],
+                      "comm_mb": round((a["comm_bytes"] - b["comm_bytes"]) / 1e6, 2), "by_op": ops,
+                      **({"steps": steps} if steps else {})})
+    steps = ranks[0]["steps"]
+    return {"size": len(after), "steps": steps, "run_seconds": round(seconds, 3),
+            "comm_ms_per_step": round(ranks[0]["comm_seconds"] / steps * 1e3, 3),
+            "step_ms": round(seconds / steps * 1e3, 3),
+            "comm_fraction": round(ranks[0]["comm_seconds"] / seconds, 3),
+            "collectives_per_step": round(ranks[0]["comm_calls"] / steps, 1), "ranks": ranks}
 
 
 def peer_row(result: dict) -> dict:
@@ -144,6 +169,15 @@ def print_report(report: dict) -> None:
         if "weight_read_ms" in rf:
             print(f"roofline: memory read {rf['read_gbs']:.1f} GB/s; all {rf['weight_mb']:.0f} MB of weights "
                   f"read in {rf['weight_read_ms']:.2f} ms (single-stream TPOT floor)")
+    if report.get("tensor_parallel"):
+        t = report["tensor_parallel"]
+        print(f"tensor parallel {t['size']} ranks: {t['steps']} steps, {t['step_ms']:.2f} ms per step, of which "
+              f"{t['comm_ms_per_step']:.2f} ms in collectives on rank 0 ({100 * t['comm_fraction']:.1f}% of the run; "
+              f"{t['collectives_per_step']:.0f} per step)")
+        for r in t["ranks"]:
+            ops = ", ".join(f"{op} {v['calls']} x {1e3 * v['seconds'] / max(v['calls'], 1):.3f} ms"
+                            for op, v in r["by_op"].items())
+            print(f"  rank {r['rank']}: {r['comm_seconds']:.3f} s in collectives ({r['comm_mb']:.1f} MB): {ops}")
     if report.get("step_profile"):
         print("decode step profile (ms per step):")
         print("\n".join(step_profile.format_rows(report["step_profile"])))
@@ -180,9 +214,20 @@ def main(args) -> int:
         read_gbs = roofline.read_bandwidth_gbs()
     settings = dict(model=model_dir, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens)
+    tp = args.tensor_parallel_size
+    if tp > 1:
+        # The engine's model is rank 0's shard: the whole-model measurements (roofline, step profile, the extra
+        # single-stream engines, cold start) stay TP=1 measurements; run them without the flag.
+        settings.update(tensor_parallel_size=tp, num_threads=args.num_threads)
+        os.environ["PAGEDCORE_TP_SYNC_TIMING"] = "1"  # CUDA: time each collective to its end (comm.py)
+        args.roofline = args.step_profile = args.int4_stream = args.cold_start = False
+        print(f"[bench] tensor_parallel_size {tp}: roofline, step profile, cold start and the extra single-stream "
+              "engines are off (TP=1 measurements)", file=sys.stderr)
     ours, llm, waste = run_pagedcore(prompts, out_lens, settings)
     report["results"] = [ours.row()]
     report["kv_waste_pct"] = round(waste, 3)
+    if tp > 1:
+        report["tensor_parallel"] = llm.tensor_parallel
     if args.roofline:
         gflop, achieved = roofline.achieved(llm.engine.model, ours.input_tokens, ours.output_tokens, ours.seconds)
         per_token = sum(roofline.model_flops(llm.engine.model)) / 1e9
@@ -196,8 +241,9 @@ def main(args) -> int:
     if args.step_profile:
         report["step_profile"] = step_profile.run(llm.engine, args.profile_batches, read_gbs if args.roofline else None,
                                                   tflops if args.roofline else None)
+    llm.shutdown()
     del llm
-    if args.single_stream and args.dtype != "bfloat16":
+    if args.single_stream and args.dtype != "bfloat16" and tp == 1:
         row = latency.single_stream_dtype(settings, "bfloat16", stream_prompt, stream_len)
         if args.roofline:
             row["weight_read_ms"] = row.pop("weight_bytes") / (read_gbs * 1e9) * 1e3
@@ -254,7 +300,10 @@ def add_parser(bsub) -> None:
     add_workload_args(t)
     t.add_argument("--max-num-seqs", type=int, default=128)
     t.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    t.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
+    t.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads (default: torch's; with --tensor-parallel-size, per rank: the cores / ranks)")
+    t.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard pagedcore's model over N ranks (spawned workers) and report the time in collectives")
     t.add_argument("--peers", default="", help="comma list of hf-static, hf-cb, vllm, llama-cpp, openvino, or all")
     t.add_argument("--hf-batch-size", type=int, default=32, help="batch size of the hf-static peer")
     t.add_argument("--peer-timeout", type=float, default=3600)
