@@ -187,11 +187,16 @@ def test_int4_int8_activations_match_reference_on_quantized_x(ext, m, n, k, grou
 @pytest.mark.parametrize("m", [1, 2, 4])
 def test_int4_int8_activations_bf16_in_and_out(ext, m):
     q, scale, low, w = _int4_weight(96, 192, 64, seed=m)
-    x = torch.randn(m, 192).bfloat16()
+    x = torch.randn(m, 192, generator=torch.Generator().manual_seed(m)).bfloat16()
     packed, scale_min = ext.pack_int4_weight(q, scale, low, 64)
     y = ext.packed_linear_int4(x, packed, scale_min, 96, 64, None, int8_rows=4)
     assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.double(), _int8_blocks(x) @ w.T, rtol=2 ** -8, atol=1e-3)
+    # bf16 inputs land on rounding ties of x * 127 / max|x| often; the kernel and this reference may break
+    # one the other way (fused multiply vs two roundings), moving a code by 1. Over 1000 seeds the worst
+    # output was 1.1 code steps x the largest weight off: allow two, beside the bf16 output rounding
+    # (rtol). The tie-free exact check is test_int4_int8_activations_match_reference_on_quantized_x.
+    one_code = x.float().abs().amax().item() / 127 * w.abs().max().item()
+    torch.testing.assert_close(y.double(), _int8_blocks(x) @ w.T, rtol=2 ** -8, atol=2 * one_code)
 
 
 def test_int4_int8_rows_bound_and_group_sizes_select_the_exact_path(ext):
