@@ -2,16 +2,24 @@
 
 Decode at small batch reads every weight once per step, so it is bound by memory traffic: 4-bit
 weights move ~3.5x fewer bytes than bf16 (this is why llama.cpp is fast on one stream). The kernel is
-pagedcore's (kernels/csrc/cpu_gemm.cpp: 16-column panels of nibbles, dequantized in registers, fp32
-accumulation; 1.8-2.5x torch's on AVX2), or torch's own `_weight_int4pack_mm_for_cpu` without the C++ ops.
+pagedcore's (kernels/csrc/cpu_gemm.cpp: 16-column panels of nibbles), or torch's own
+`_weight_int4pack_mm_for_cpu` without the C++ ops. At decode (M <= INT8_ACTIVATION_ROWS rows) it
+quantizes the activations to int8 per 32 inputs and multiplies in integers, as llama.cpp does (Q8
+blocks): dequantizing every weight to fp32 costs more instructions than reading it, so that path is
+ALU-bound at ~2x the time. Larger M (prefill) keeps fp32 activations, dequantizing each panel once.
+`PAGEDCORE_INT4_ACTIVATIONS=fp32` keeps fp32 activations at every M (exact, the A/B reference).
+Checkpoints' own int4 formats (`from_codes`: compressed-tensors W4A16, ...) keep fp32 activations:
+their output is defined with unquantized activations.
 The bundled GGUF is Q4_1 (per 32 weights: w = q * d + m, q in 0..15, with q = 0 at the group's min
-and 15 at its max), so min/max re-quantization recovers its own 4-bit grid; the scale and zero are
-then rounded to the activation dtype. Results differ from the bf16 path at bf16-level precision.
+and 15 at its max), so min/max re-quantization recovers its own 4-bit grid exactly (fp32 scale and min).
+With fp32 activations results differ from the bf16 path at bf16-level precision; int8 activations add
+their rounding (relative ~0.3-1% per linear), as llama.cpp's do.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import nn
@@ -20,6 +28,20 @@ from pagedcore import installs
 from pagedcore.kernels import cpu_ext
 
 GROUP_SIZE = 32
+
+
+def int8_activation_rows(setting: str) -> int:
+    """Rows up to which activations are quantized to int8: the `PAGEDCORE_INT4_ACTIVATIONS` setting."""
+    # int8: the integer path measured 1.7-4x faster than fp32 activations at M = 1..8 (AVX2 EPYC, 1 thread,
+    # K=576 N=576/1536); more rows (prefill) keep fp32 activations.
+    rows = {"int8": 8, "fp32": 0}
+    if setting not in rows:
+        raise ValueError(f"PAGEDCORE_INT4_ACTIVATIONS={setting!r}; supported: {', '.join(rows)}")
+    return rows[setting]
+
+
+# Read on every call, so a benchmark can switch it within one process.
+INT8_ACTIVATION_ROWS = int8_activation_rows(os.environ.get("PAGEDCORE_INT4_ACTIVATIONS", "int8"))
 
 
 class Int4Linear(nn.Module):
@@ -32,16 +54,20 @@ class Int4Linear(nn.Module):
         scale = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny)
         q = ((w - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
         self._pack(q, scale, lo, linear.bias, dtype, group_size, linear.weight.device)
+        self.int8_activations = True  # llama.cpp's scheme for its GGUF grid: int8 activations at decode
 
     @classmethod
     def from_codes(cls, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bias: torch.Tensor | None,
-                   dtype: torch.dtype, group_size: int, input_perm: torch.Tensor | None = None) -> "Int4Linear":
+                   dtype: torch.dtype, group_size: int, input_perm: torch.Tensor | None = None,
+                   int8_activations: bool = False) -> "Int4Linear":
         """A checkpoint's own 4-bit grid, kept exactly: w = q * scale + lo, q in 0..15 [N, K], scale
         and lo [N, K / group_size] (fp32). `input_perm`: the layer computes x[..., input_perm] @ w.T
-        (GPTQ's act-order checkpoints, whose groups are contiguous only once the inputs are permuted)."""
+        (GPTQ's act-order checkpoints, whose groups are contiguous only once the inputs are permuted).
+        Activations stay unquantized (W4A16 formats define their output so) unless `int8_activations`."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._pack(q.to(torch.int32), scale.float(), lo.float(), bias, dtype, group_size, q.device)
+        self.int8_activations = int8_activations
         if input_perm is not None:
             self.input_perm = input_perm.long()
         return self
@@ -68,7 +94,8 @@ class Int4Linear(nn.Module):
             x = x.index_select(-1, self.input_perm)
         if self.ext is not None:
             return self.ext.packed_linear_int4(x, self.packed, self.scales_and_zeros, self.out_features,
-                                               self.group_size, self.bias)
+                                               self.group_size, self.bias,
+                                               INT8_ACTIVATION_ROWS if self.int8_activations else 0)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.packed,
                                                          self.group_size, self.scales_and_zeros)
         if self.bias is not None:

@@ -17,8 +17,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "x @ W^T (+ bias) over a packed weight; fp32 accumulation",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none());
   m.def("pack_int4_weight", &pack_int4_weight, "q uint8 [N, K], scale/min [N, K/G] -> int4 panels, scale/min panels");
-  m.def("packed_linear_int4", &packed_linear_int4, "x @ W^T (+ bias), W = q * scale + min per group; fp32 accumulation",
+  m.def("packed_linear_int4", &packed_linear_int4,
+        "x @ W^T (+ bias), W = q * scale + min per group; fp32 accumulation; inputs of M <= int8_rows rows "
+        "quantized to int8 per 32 (integer dot products), others kept fp32",
         py::arg("x"), py::arg("q"), py::arg("sm"), py::arg("out_features"), py::arg("group_size"),
-        py::arg("bias") = py::none());
+        py::arg("bias") = py::none(), py::arg("int8_rows") = 0);
   m.def("sample_inverse_cdf", &sample_inverse_cdf, "per row: first token whose running fp64 sum exceeds u * total");
 }

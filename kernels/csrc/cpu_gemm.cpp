@@ -11,6 +11,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -234,80 +236,229 @@ void gemm(const X* x, const W* packed, const float* bias, X* y, int64_t M, int64
 
 
 // ---- int4 weights (w = q * scale + min per group of G inputs, as GGUF's Q4_1) ------------------
-// Panel p holds, for each k, 8 bytes: byte j = column j (low nibble) | column j + 8 (high nibble);
-// beside it, per group g, 16 scales then 16 mins (fp32). Decode reads 4.5 bits per weight.
-#ifdef PC_AVX2
-inline void dequant16(const uint8_t* q, __m256 s0, __m256 s1, __m256 m0, __m256 m1, __m256& w0, __m256& w1) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
-  const __m128i nib = _mm_set1_epi8(0x0F);
-  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, nib)));
-  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), nib)));
-  w0 = _mm256_fmadd_ps(lo, s0, m0);
-  w1 = _mm256_fmadd_ps(hi, s1, m1);
-}
+// Panel p holds K (rounded up to 4, zero codes past K) inputs in quads of 4: 32 bytes per quad, byte
+// c * 4 + t = column c (low nibble) | column c + 8 (high nibble) at input 4 * quad + t. So each 32-bit
+// lane holds 4 consecutive inputs of one column: the operand of an integer dot product (maddubs +
+// madd) against 4 int8 activations, with no horizontal sums. Beside it, per group g, 16 scales then
+// 16 mins (fp32). Decode reads 4 bits per weight plus 2 of scale and min (groups of 32).
+//
+// Two ways to run it. Decode (M <= int8_rows, groups a multiple of 32): x is quantized once per call
+// to int8 per block of 32 inputs (symmetric, round to nearest, d = max|x| / 127, as llama.cpp's Q8
+// blocks), products summed in integers per block, then y += s * d * dot(q, xq) per block and
+// y += m * sum(d * sum(xq)) per group in fp32: ~0.15 instructions per weight, so it runs at memory
+// speed. Otherwise x stays fp32 and the panel is dequantized to fp32 (in registers at M = 1, into a
+// buffer for more rows, then the fp32 micro-kernel): exact, ALU-bound at M = 1 (~0.7 per weight).
+constexpr int64_t QB = 32;  // inputs per int8 activation block
+constexpr int64_t PF4 = 1024;  // bytes of a panel prefetched ahead by the decode kernels
 
-// One or two rows: dequantize in registers, two interleaved accumulator sets (FMA latency).
-template <int R>
-__attribute__((noinline)) void micro_kernel_int4(const float* a, const uint8_t* q, const float* sm, int64_t K,
-                                                 int64_t G, float* c) {
-  __m256 acc[2][R][2];
-  for (int s = 0; s < 2; ++s)
-    for (int r = 0; r < R; ++r) acc[s][r][0] = acc[s][r][1] = _mm256_setzero_ps();
-  for (int64_t g0 = 0; g0 < K; g0 += G) {
-    const float* gsm = sm + (g0 / G) * 2 * NR;
-    const __m256 s0 = _mm256_loadu_ps(gsm), s1 = _mm256_loadu_ps(gsm + 8);
-    const __m256 m0 = _mm256_loadu_ps(gsm + NR), m1 = _mm256_loadu_ps(gsm + NR + 8);
-    _mm_prefetch(reinterpret_cast<const char*>(q + (g0 + G) * 8), _MM_HINT_T0);
-    for (int64_t k = g0; k < g0 + G; k += 2) {
-#pragma GCC unroll 2
-      for (int s = 0; s < 2; ++s) {
-        __m256 w0, w1;
-        dequant16(q + (k + s) * 8, s0, s1, m0, m1, w0, w1);
-#pragma GCC unroll 2
-        for (int r = 0; r < R; ++r) {
-          const __m256 av = _mm256_broadcast_ss(a + (k + s) * R + r);
-          acc[s][r][0] = _mm256_fmadd_ps(av, w0, acc[s][r][0]);
-          acc[s][r][1] = _mm256_fmadd_ps(av, w1, acc[s][r][1]);
-        }
+inline int64_t round4(int64_t K) { return (K + 3) / 4 * 4; }
+
+#ifdef PC_AVX2
+// Each k of the panel dequantized (columns 0-7, 8-15) and handed to f(k, t = k % 4, w0, w1).
+template <typename F>
+inline void for_each_dequantized(const uint8_t* q, const float* sm, int64_t K, int64_t G, F&& f) {
+  const __m256i nib = _mm256_set1_epi32(0x0F);
+  __m256 s0 = _mm256_setzero_ps(), s1 = s0, m0 = s0, m1 = s0;
+  int64_t next = 0;  // first input of the next group
+  for (int64_t k0 = 0; k0 < K; k0 += 4) {
+    _mm_prefetch(reinterpret_cast<const char*>(q + k0 * 8 + PF4), _MM_HINT_T0);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k0 * 8));
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) {
+      const int64_t k = k0 + t;
+      if (k == K) return;
+      if (k == next) {  // groups of any even size: one may start inside a quad
+        const float* gsm = sm + (k / G) * 2 * NR;
+        s0 = _mm256_loadu_ps(gsm), s1 = _mm256_loadu_ps(gsm + 8);
+        m0 = _mm256_loadu_ps(gsm + NR), m1 = _mm256_loadu_ps(gsm + NR + 8);
+        next += G;
       }
+      const __m256i b = _mm256_srli_epi32(v, 8 * t);
+      const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, nib));
+      const __m256 hi = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, 4), nib));
+      f(k, t, _mm256_fmadd_ps(lo, s0, m0), _mm256_fmadd_ps(hi, s1, m1));
     }
   }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(c + r * NR, _mm256_add_ps(acc[0][r][0], acc[1][r][0]));
-    _mm256_storeu_ps(c + r * NR + 8, _mm256_add_ps(acc[0][r][1], acc[1][r][1]));
-  }
+}
+
+// One row, fp32 activations: dequantize in registers, two interleaved accumulator sets (FMA latency).
+__attribute__((noinline)) void micro_kernel_int4(const float* a, const uint8_t* q, const float* sm, int64_t K,
+                                                 int64_t G, float* c) {
+  __m256 acc[2][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
+  for_each_dequantized(q, sm, K, G, [&](int64_t k, int t, __m256 w0, __m256 w1) {
+    const __m256 av = _mm256_broadcast_ss(a + k);
+    acc[t & 1][0] = _mm256_fmadd_ps(av, w0, acc[t & 1][0]);
+    acc[t & 1][1] = _mm256_fmadd_ps(av, w1, acc[t & 1][1]);
+  });
+  _mm256_storeu_ps(c, _mm256_add_ps(acc[0][0], acc[1][0]));
+  _mm256_storeu_ps(c + 8, _mm256_add_ps(acc[0][1], acc[1][1]));
 }
 
 // The panel as fp32 [K, 16], for many rows (then the fp32 micro-kernel runs at the FMA rate).
 void widen_int4(const uint8_t* q, const float* sm, int64_t K, int64_t G, float* buf) {
-  for (int64_t g0 = 0; g0 < K; g0 += G) {
-    const float* gsm = sm + (g0 / G) * 2 * NR;
+  for_each_dequantized(q, sm, K, G, [&](int64_t k, int, __m256 w0, __m256 w1) {
+    _mm256_storeu_ps(buf + k * NR, w0);
+    _mm256_storeu_ps(buf + k * NR + 8, w1);
+  });
+}
+
+// R rows of int8 activations (xq rows at stride K, block scales d at stride K / 32, group sums xs at
+// stride K / G) against one panel; G a multiple of 32. Per quad and row: one maddubs per 8 columns
+// (u4 x s8, pairs summed to int16: |.| <= 2 * 15 * 127), added in int16 over the block's 8 quads
+// (<= 30480, no overflow), widened once per block by madd with ones.
+template <int R>
+__attribute__((noinline)) void micro_kernel_int4_int8(const int8_t* xq, const float* d, const float* xs, int64_t K,
+                                                      int64_t G, const uint8_t* q, const float* sm, float* c) {
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int64_t blocks = K / QB, groups = K / G, per_group = G / QB;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* gsm = sm + g * 2 * NR;
     const __m256 s0 = _mm256_loadu_ps(gsm), s1 = _mm256_loadu_ps(gsm + 8);
-    const __m256 m0 = _mm256_loadu_ps(gsm + NR), m1 = _mm256_loadu_ps(gsm + NR + 8);
-    for (int64_t k = g0; k < g0 + G; ++k) {
-      __m256 w0, w1;
-      dequant16(q + k * 8, s0, s1, m0, m1, w0, w1);
-      _mm256_storeu_ps(buf + k * NR, w0);
-      _mm256_storeu_ps(buf + k * NR + 8, w1);
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      const uint8_t* qb = q + b * QB * 8;  // 256 bytes: 8 quads
+      for (int l = 0; l < 256; l += 64) _mm_prefetch(reinterpret_cast<const char*>(qb + PF4 + l), _MM_HINT_T0);
+      __m256i sum[R][2];
+      for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + j * 32));
+        const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        for (int r = 0; r < R; ++r) {
+          int32_t x4;
+          std::memcpy(&x4, xq + r * K + b * QB + j * 4, 4);
+          const __m256i xv = _mm256_set1_epi32(x4);
+          sum[r][0] = _mm256_add_epi16(sum[r][0], _mm256_maddubs_epi16(lo, xv));
+          sum[r][1] = _mm256_add_epi16(sum[r][1], _mm256_maddubs_epi16(hi, xv));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 dv = _mm256_broadcast_ss(d + r * blocks + b);
+        acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r][0], ones)), _mm256_mul_ps(s0, dv), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r][1], ones)), _mm256_mul_ps(s1, dv), acc[r][1]);
+      }
     }
+    const __m256 m0 = _mm256_loadu_ps(gsm + NR), m1 = _mm256_loadu_ps(gsm + NR + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xsv = _mm256_broadcast_ss(xs + r * groups + g);
+      acc[r][0] = _mm256_fmadd_ps(xsv, m0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xsv, m1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(c + r * NR, acc[r][0]);
+    _mm256_storeu_ps(c + r * NR + 8, acc[r][1]);
   }
 }
 #else
+inline int code(const uint8_t* q, int64_t k, int64_t j) {  // column j's code at input k
+  const uint8_t b = q[(k / 4) * 32 + (j % 8) * 4 + k % 4];
+  return j < 8 ? (b & 0x0F) : (b >> 4);
+}
+
 void widen_int4(const uint8_t* q, const float* sm, int64_t K, int64_t G, float* buf) {
   for (int64_t k = 0; k < K; ++k) {
     const float* gsm = sm + (k / G) * 2 * NR;
-    for (int64_t j = 0; j < NR; ++j) {
-      const int v = j < 8 ? (q[k * 8 + j] & 0x0F) : (q[k * 8 + j - 8] >> 4);
-      buf[k * NR + j] = float(v) * gsm[j] + gsm[NR + j];
-    }
+    for (int64_t j = 0; j < NR; ++j) buf[k * NR + j] = float(code(q, k, j)) * gsm[j] + gsm[NR + j];
   }
+}
+
+template <int R>
+void micro_kernel_int4_int8(const int8_t* xq, const float* d, const float* xs, int64_t K, int64_t G,
+                            const uint8_t* q, const float* sm, float* c) {
+  const int64_t blocks = K / QB, groups = K / G, per_group = G / QB;
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < NR; ++j) {
+      float acc = 0;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* gsm = sm + g * 2 * NR;
+        for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+          int32_t dot = 0;
+          for (int64_t k = b * QB; k < (b + 1) * QB; ++k) dot += code(q, k, j) * xq[r * K + k];
+          acc += float(dot) * (gsm[j] * d[r * blocks + b]);
+        }
+        acc += xs[r * groups + g] * gsm[NR + j];
+      }
+      c[r * NR + j] = acc;
+    }
 }
 #endif
 
+// Rows of x as int8 per block of 32 inputs (xq = round-half-even(x * (127 * (1 / max|x|))), d = max|x| / 127),
+// and per row and group xs = sum over its blocks of d * sum(xq): the min term's activation sum. A block
+// holding inf or NaN gets d = NaN, so it reaches the output as NaN rather than as a wrong number.
+template <typename X>
+void quantize_rows(const X* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* d, float* xs) {
+  const int64_t blocks = K / QB, groups = K / G, per_group = G / QB;
+  for (int64_t i = 0; i < M * groups; ++i) xs[i] = 0.f;
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t b = 0; b < blocks; ++b) {
+      float v[QB];
+      uint32_t amax_bits = 0;  // max of |x| on the bits: ordered like the floats, and NaN sorts above inf
+      for (int64_t j = 0; j < QB; ++j) {
+        v[j] = static_cast<float>(x[i * K + b * QB + j]);
+        uint32_t u;
+        std::memcpy(&u, &v[j], 4);
+        amax_bits = std::max(amax_bits, u & 0x7FFFFFFFu);
+      }
+      int8_t* out = xq + i * K + b * QB;
+      float db = 0.f;
+      int32_t total = 0;
+      if (amax_bits >= 0x7F800000u) {
+        const uint32_t nan_bits = 0x7FC00000u;
+        std::memcpy(&db, &nan_bits, 4);
+        std::memset(out, 0, QB);
+      } else if (amax_bits == 0) {
+        std::memset(out, 0, QB);
+      } else {
+        float amax;
+        std::memcpy(&amax, &amax_bits, 4);
+        const float id = 127.f * (1.f / amax);  // as written: -ffast-math may turn 127 / amax into this anyway
+        db = amax / 127.f;
+        for (int64_t j = 0; j < QB; ++j) {
+          const int32_t qv = static_cast<int32_t>(std::nearbyint(v[j] * id));
+          out[j] = static_cast<int8_t>(qv);
+          total += qv;
+        }
+      }
+      d[i * blocks + b] = db;
+      xs[i * groups + b / per_group] += db * static_cast<float>(total);
+    }
+}
+
+template <typename X>
+void gemm_int4_int8(const X* x, const uint8_t* q, const float* sm, const float* bias, X* y, int64_t M, int64_t N,
+                    int64_t K, int64_t G) {
+  const int64_t panels = (N + NR - 1) / NR, groups = K / G, Kp = round4(K);
+  std::vector<int8_t> xq(static_cast<size_t>(M * K));
+  std::vector<float> d(static_cast<size_t>(M * (K / QB))), xs(static_cast<size_t>(M * groups));
+  quantize_rows(x, M, K, G, xq.data(), d.data(), xs.data());
+  at::parallel_for(0, panels, grain_for(M * K * NR, 65536), [&](int64_t p0, int64_t p1) {
+    float c[2 * NR];
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* qp = q + p * Kp * 8;
+      const float* smp = sm + p * groups * 2 * NR;
+      const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
+      for (int64_t i = 0; i < M; i += 2) {
+        const int64_t rows = std::min<int64_t>(2, M - i);
+        const int8_t* xi = xq.data() + i * K;
+        const float *di = d.data() + i * (K / QB), *si = xs.data() + i * groups;
+        if (rows == 2)
+          micro_kernel_int4_int8<2>(xi, di, si, K, G, qp, smp, c);
+        else
+          micro_kernel_int4_int8<1>(xi, di, si, K, G, qp, smp, c);
+        store_tile(c, rows, ncols, bias, n0, y + i * N + n0, N);
+      }
+    }
+  });
+}
+
 template <typename X>
 void gemm_int4(const X* x, const uint8_t* q, const float* sm, const float* bias, X* y, int64_t M, int64_t N,
-               int64_t K, int64_t G) {
-  const int64_t panels = (N + NR - 1) / NR, tiles = (M + MR - 1) / MR, groups = K / G;
+               int64_t K, int64_t G, int64_t int8_rows) {
+  if (M <= int8_rows && G % QB == 0) return gemm_int4_int8(x, q, sm, bias, y, M, N, K, G);
+  const int64_t panels = (N + NR - 1) / NR, tiles = (M + MR - 1) / MR, groups = K / G, Kp = round4(K);
   std::vector<float> xp(static_cast<size_t>(M * K));
   at::parallel_for(0, tiles, grain_for(MR * K), [&](int64_t b, int64_t e) { pack_tiles(x, M, K, b, e, xp.data()); });
 #ifdef PC_AVX2
@@ -321,7 +472,7 @@ void gemm_int4(const X* x, const uint8_t* q, const float* sm, const float* bias,
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
       const int64_t m1 = std::min(M, m0 + MC);
       for (int64_t p = p0; p < p1; ++p) {
-        const uint8_t* qp = q + p * K * 8;
+        const uint8_t* qp = q + p * Kp * 8;
         const float* smp = sm + p * groups * 2 * NR;
         if (widen) widen_int4(qp, smp, K, G, wbuf.data());
         const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
@@ -331,7 +482,7 @@ void gemm_int4(const X* x, const uint8_t* q, const float* sm, const float* bias,
             tile(rows, xp.data() + i * K, wbuf.data(), K, c);
 #ifdef PC_AVX2
           else
-            micro_kernel_int4<1>(xp.data() + i * K, qp, smp, K, G, c);
+            micro_kernel_int4(xp.data() + i * K, qp, smp, K, G, c);
 #endif
           store_tile(c, rows, ncols, bias, n0, y + i * N + n0, N);
         }
@@ -390,18 +541,19 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_f
   return y.view(out_sizes);
 }
 
-// q: uint8 [N, K] values 0..15; scale, min: fp32 [N, K / G]. Returns (q panels uint8 [panels, K, 8],
-// scale/min fp32 [panels, K / G, 2, 16]); padding columns are zero.
+// q: uint8 [N, K] values 0..15; scale, min: fp32 [N, K / G]. Returns (q panels uint8 [panels, K
+// rounded up to 4, 8] in quads (see the int4 section), scale/min fp32 [panels, K / G, 2, 16]); padding
+// columns and inputs are zero.
 std::tuple<torch::Tensor, torch::Tensor> pack_int4_weight(torch::Tensor q, torch::Tensor scale, torch::Tensor min,
                                                          int64_t group_size) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, "q: uint8 [N, K]");
-  const int64_t N = q.size(0), K = q.size(1), G = group_size, panels = (N + NR - 1) / NR;
+  const int64_t N = q.size(0), K = q.size(1), G = group_size, panels = (N + NR - 1) / NR, Kp = round4(K);
   TORCH_CHECK(G > 0 && G % 2 == 0 && K % G == 0, "K must be a multiple of an even group size");
   TORCH_CHECK(scale.sizes() == min.sizes() && scale.size(0) == N && scale.size(1) == K / G, "scale/min: [N, K / G]");
-  auto qp = torch::zeros({panels * NR, K}, q.options());
-  qp.narrow(0, 0, N).copy_(q.bitwise_and(0x0F));
-  qp = qp.view({panels, NR, K}).transpose(1, 2);  // [panels, K, 16]
-  auto packed = qp.narrow(2, 0, 8).bitwise_or(qp.narrow(2, 8, 8).bitwise_left_shift(4)).contiguous();
+  auto qp = torch::zeros({panels * NR, Kp}, q.options());
+  qp.narrow(0, 0, N).narrow(1, 0, K).copy_(q.bitwise_and(0x0F));
+  qp = qp.view({panels, NR, Kp / 4, 4}).permute({0, 2, 1, 3});  // [panels, quads, 16 columns, 4 inputs]
+  auto packed = qp.narrow(2, 0, 8).bitwise_or(qp.narrow(2, 8, 8).bitwise_left_shift(4)).contiguous().view({panels, Kp, 8});
   auto sm = torch::zeros({panels * NR, K / G, 2}, scale.options().dtype(at::kFloat));
   sm.narrow(0, 0, N).select(2, 0).copy_(scale);
   sm.narrow(0, 0, N).select(2, 1).copy_(min);
@@ -410,11 +562,12 @@ std::tuple<torch::Tensor, torch::Tensor> pack_int4_weight(torch::Tensor q, torch
 }
 
 torch::Tensor packed_linear_int4(torch::Tensor x, torch::Tensor q, torch::Tensor sm, int64_t out_features,
-                                 int64_t group_size, c10::optional<torch::Tensor> bias) {
+                                 int64_t group_size, c10::optional<torch::Tensor> bias, int64_t int8_rows) {
   TORCH_CHECK(q.dim() == 3 && q.size(2) == 8 && q.is_contiguous() && q.scalar_type() == at::kByte, "q: [panels, K, 8]");
-  const int64_t K = q.size(1), N = out_features, G = group_size;
-  TORCH_CHECK(sm.is_contiguous() && sm.scalar_type() == at::kFloat && sm.numel() == q.size(0) * (K / G) * 2 * NR,
-              "scale/min: [panels, K / G, 2, 16] fp32");
+  TORCH_CHECK(sm.dim() == 4 && sm.size(0) == q.size(0) && sm.size(2) == 2 && sm.size(3) == NR && sm.is_contiguous() &&
+              sm.scalar_type() == at::kFloat, "scale/min: [panels, K / G, 2, 16] fp32");
+  const int64_t G = group_size, K = sm.size(1) * G, N = out_features;
+  TORCH_CHECK(G > 0 && q.size(1) == round4(K), "group_size does not match the packed weight");
   TORCH_CHECK(x.size(-1) == K, "x's last dimension must be the weight's in_features");
   TORCH_CHECK(q.size(0) * NR >= N, "out_features larger than the packed weight");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x: float32 or bfloat16");
@@ -424,12 +577,15 @@ torch::Tensor packed_linear_int4(torch::Tensor x, torch::Tensor q, torch::Tensor
   out_sizes.back() = N;
   auto y = torch::empty({M, N}, x.options());
   torch::Tensor b;
-  if (bias.has_value() && bias->defined()) b = bias->to(at::kFloat).contiguous();
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == N, "bias: [out_features]");
+  }
   const float* pb = b.defined() ? b.data_ptr<float>() : nullptr;
   if (M > 0) {
     AT_DISPATCH_SWITCH(x2.scalar_type(), "packed_linear_int4",
-      AT_DISPATCH_CASE(at::kFloat, [&] { gemm_int4<scalar_t>(x2.data_ptr<scalar_t>(), q.data_ptr<uint8_t>(), sm.data_ptr<float>(), pb, y.data_ptr<scalar_t>(), M, N, K, G); })
-      AT_DISPATCH_CASE(at::kBFloat16, [&] { gemm_int4<scalar_t>(x2.data_ptr<scalar_t>(), q.data_ptr<uint8_t>(), sm.data_ptr<float>(), pb, y.data_ptr<scalar_t>(), M, N, K, G); }));
+      AT_DISPATCH_CASE(at::kFloat, [&] { gemm_int4<scalar_t>(x2.data_ptr<scalar_t>(), q.data_ptr<uint8_t>(), sm.data_ptr<float>(), pb, y.data_ptr<scalar_t>(), M, N, K, G, int8_rows); })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] { gemm_int4<scalar_t>(x2.data_ptr<scalar_t>(), q.data_ptr<uint8_t>(), sm.data_ptr<float>(), pb, y.data_ptr<scalar_t>(), M, N, K, G, int8_rows); }));
   }
   return y.view(out_sizes);
 }

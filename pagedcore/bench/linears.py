@@ -5,7 +5,10 @@ Small M is bound by reading the weight: the row reports GB/s of weight read agai
 Large M is bound by arithmetic: TFLOP/s against the matmul peak. Each shape cycles through enough
 copies of its weight (>= 64 MiB) that every call reads it from memory, as a decode step over 30
 layers does. Rows: `packed` (pagedcore's pre-packed kernel, what the engine runs), `F.linear`
-(torch, what transformers runs; skipped where it would take minutes), `int4` (opt-in 4-bit weights).
+(torch, what transformers runs; skipped where it would take minutes), `int4` (opt-in 4-bit weights, as
+the engine runs them: int8 activations at decode rows), `int4-fp32` (the same weights, fp32 activations
+at every M: the exact path). Rows of one shape and M alternate, `--repeats` times, best of each: on a
+shared machine only an A/B within one process and interleaved in time is fair.
 """
 
 from __future__ import annotations
@@ -48,19 +51,21 @@ def model_shapes(hf_config) -> dict[str, tuple[int, int]]:
 
 
 def _time(fn, calls: int, seconds: float) -> float:
-    """Best seconds per call over repeated passes of `calls` calls."""
+    """Best seconds per call over repeated passes of `calls` calls; fn(j) for a running j, so that
+    passes cycle through all of a shape's weight copies rather than the first `calls`."""
     fn(0)
-    best, t_end = math.inf, time.perf_counter() + seconds
+    best, t_end, j = math.inf, time.perf_counter() + seconds, 0
     while True:
         t0 = time.perf_counter()
-        for j in range(calls):
-            fn(j)
+        for i in range(calls):
+            fn(j + i)
+        j += calls
         best = min(best, (time.perf_counter() - t0) / calls)
         if time.perf_counter() >= t_end:
             return best
 
 
-def bench_shape(name, n, k, ms, dtype, impls, bw_gbs, peak_tflops, seconds) -> list[Row]:
+def bench_shape(name, n, k, ms, dtype, impls, bw_gbs, peak_tflops, seconds, repeats=1) -> list[Row]:
     from pagedcore.kernels import cpu_ext
     from pagedcore.quantization import Int4Linear
 
@@ -74,20 +79,33 @@ def bench_shape(name, n, k, ms, dtype, impls, bw_gbs, peak_tflops, seconds) -> l
         runners["packed"] = (lambda x, j: ext.packed_linear(x, packed[j % copies], n), n * k * elem)
     if "F.linear" in impls:
         runners["F.linear"] = (lambda x, j: F.linear(x, weights[j % copies]), n * k * elem)
-    if "int4" in impls and k % 32 == 0 and n % 16 == 0:
-        q = [Int4Linear(torch.nn.Linear(k, n, bias=False, dtype=dtype).requires_grad_(False), dtype)
-             for _ in range(min(copies * 4, 64))]
-        runners["int4"] = (lambda x, j: q[j % len(q)](x), n * k // 2 + n * k // 32 * 2 * elem)
+    int4_impls = {"int4", "int4-fp32"} & set(impls)
+    if int4_impls and k % 32 == 0 and n % 16 == 0:
+        int4_bytes = n * k // 2 + n * k // 32 * 2 * 4  # nibbles + fp32 scale and min per group of 32
+        q = [Int4Linear(torch.nn.Linear(k, n, bias=False).requires_grad_(False), dtype)
+             for _ in range(max(2, math.ceil(64 * 2**20 / int4_bytes)))]
+        if "int4" in impls:
+            runners["int4"] = (lambda x, j: q[j % len(q)](x), int4_bytes)
+        if "int4-fp32" in impls and q[0].ext is not None:
+            runners["int4-fp32"] = (lambda x, j: ext.packed_linear_int4(
+                x, q[j % len(q)].packed, q[j % len(q)].scales_and_zeros, n, 32, None, 0), int4_bytes)
     rows = []
     for m in ms:
         x = torch.randn(m, k).to(dtype)
+        live = {}
         for impl, (fn, nbytes) in runners.items():
             t0 = time.perf_counter()
             fn(x, 0)
             if time.perf_counter() - t0 > SLOW_CALL_S:
                 print(f"  {name} M={m} {impl}: skipped (one call took {time.perf_counter() - t0:.1f} s)", file=sys.stderr)
                 continue
-            dt = _time(lambda j: fn(x, j), min(copies, 32), seconds)
+            live[impl] = (fn, nbytes)
+        best = dict.fromkeys(live, math.inf)
+        for _ in range(repeats):
+            for impl, (fn, _nbytes) in live.items():
+                best[impl] = min(best[impl], _time(lambda j: fn(x, j), 32, seconds / repeats))
+        for impl, (_fn, nbytes) in live.items():
+            dt = best[impl]
             gbs, tflops = nbytes / dt / 1e9, 2 * m * n * k / dt / 1e12
             rows.append(Row(name, n, k, m, impl, dt * 1e6, gbs, tflops, gbs / bw_gbs, tflops / peak_tflops))
     return rows
@@ -126,7 +144,7 @@ def main(args) -> int:
           f"{torch.get_num_threads()} threads")
     rows = []
     for name, (n, k) in shapes.items():
-        rows += bench_shape(name, n, k, ms, dtype, args.impls.split(","), bw, peak, args.seconds)
+        rows += bench_shape(name, n, k, ms, dtype, args.impls.split(","), bw, peak, args.seconds, args.repeats)
     print(f"{'shape':18s} {'N':>6s} {'K':>5s} {'M':>4s} {'impl':9s} {'us':>10s} {'GB/s':>7s} {'of bw':>6s} "
           f"{'GFLOP/s':>8s} {'of peak':>7s}")
     for r in rows:
@@ -149,8 +167,9 @@ def add_parser(bsub) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--m", default="1,8,64,512", help="comma list of row counts")
     p.add_argument("--shapes", default=None, help="comma list of shape names (default: all)")
-    p.add_argument("--impls", default="packed,F.linear,int4", help="comma list of packed, F.linear, int4")
+    p.add_argument("--impls", default="packed,F.linear,int4", help="comma list of packed, F.linear, int4, int4-fp32")
     p.add_argument("--seconds", type=float, default=0.5, help="timing budget per row")
+    p.add_argument("--repeats", type=int, default=1, help="alternate the rows of a shape this many times, best of each")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--json", default=None)
     p.set_defaults(func=main)

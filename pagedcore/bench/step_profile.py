@@ -20,6 +20,7 @@ called by the graph, is still timed).
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import time
 from collections import defaultdict
@@ -137,6 +138,26 @@ def run(engine, batches=(1, 64), read_gbs: float | None = None, matmul_tflops: f
             for b in batches]
 
 
+def run_int4_activations(engine, modes: list[str], repeats: int, batches=(1,), prompt_len: int = 128,
+                         steps: int = 10) -> dict[str, list[dict]]:
+    """The same int4 engine with each activation mode of its decode rows (quantization.int8_activation_rows),
+    the modes alternating `repeats` times, best step of each per batch: an A/B in one process."""
+    from pagedcore import quantization
+
+    saved, best = quantization.INT8_ACTIVATION_ROWS, {}
+    try:
+        for _ in range(repeats):
+            for mode in modes:
+                quantization.INT8_ACTIVATION_ROWS = quantization.int8_activation_rows(mode)
+                # No floors: roofline's FLOP and byte counts read nn.Linear weights, which int4 layers lack.
+                rows = [dict(profile_decode(engine, b, prompt_len, steps), weight_read_ms=math.nan, matmul_ms=math.nan)
+                        for b in batches]
+                best[mode] = [min(old, new, key=lambda r: r["step_ms"]) for old, new in zip(best.get(mode, rows), rows)]
+    finally:
+        quantization.INT8_ACTIVATION_ROWS = saved
+    return best
+
+
 def format_rows(rows: list[dict]) -> list[str]:
     head = f"{'batch':>5s} {'step ms':>8s} " + " ".join(f"{p:>13s}" for p in PARTS) + f" {'weights ms':>10s} {'matmul ms':>9s}"
     lines = [head]
@@ -163,6 +184,19 @@ def main(args) -> int:
     if args.compile:
         settings["compile"] = True
     engine = LLMEngine(**settings)
+    modes = args.int4_activations.split(",") if args.int4_activations else []
+    if modes:
+        if args.quantization != "int4":
+            raise SystemExit("--int4-activations needs --quantization int4")
+        by_mode = run_int4_activations(engine, modes, args.repeats, args.batches, args.prompt_len, args.steps)
+        for mode, rows in by_mode.items():
+            print(f"int4 weights, {mode} activations at decode rows: best of {args.repeats} (ms per step)")
+            print("\n".join(format_rows(rows)))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"bench": "step", "dtype": args.dtype, "settings": settings, "by_int4_activations": by_mode},
+                          f, indent=2)
+        return 0
     rows = run(engine, args.batches, prompt_len=args.prompt_len, steps=args.steps)
     mode = "captured forward (torch.compile)" if rows and rows[0]["compiled"] else "eager forward"
     print(f"decode step profile, {args.dtype}, {torch.get_num_threads()} threads, {mode} (ms per step)")
@@ -183,6 +217,9 @@ def add_parser(bsub) -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--no-pack", action="store_true", help="F.linear over unpacked weights (for before/after)")
     p.add_argument("--quantization", default=None, choices=["int4"])
+    p.add_argument("--int4-activations", default=None,
+                   help="comma list of int8, fp32: with --quantization int4, A/B of the decode rows' activations")
+    p.add_argument("--repeats", type=int, default=3, help="with --int4-activations: alternations, best of each")
     p.add_argument("--compile", action="store_true", help="capture the model forward with torch.compile")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--json", default=None)
