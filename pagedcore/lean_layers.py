@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from pagedcore import fused_projections
 from pagedcore.attention import hf_glue
 from pagedcore.fused_norms import LLAMA_STYLE_RMSNORMS, patch_forwards
 
@@ -62,8 +63,10 @@ def _lean_forward(ext, layer, sliding_window: int | None):
     in_norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
     original = type(layer).forward
     head_dim, scale = attn.head_dim, attn.scaling
-    # q/k/v (and gate/up) stay separate matmuls: fused into one, each matmul alone ran 10-15%
-    # faster here, yet whole decode steps ran ~5% slower (strided q/k/v downstream); measured.
+    # q/k/v (and gate/up) as one matmul only for a few rows (fused_projections.py): fused at every
+    # batch, each matmul alone ran 10-15% faster, yet batch-64 steps ran ~5% slower (strided q/k/v
+    # downstream); at a few rows the calls' fixed cost is what counts.
+    qkv_names, gate_up_names = fused_projections.GROUPS[0][1], fused_projections.GROUPS[1][1]
 
     def forward(hidden_states: torch.Tensor, position_embeddings=None, **kwargs) -> torch.Tensor:
         ctx = hf_glue.current()
@@ -73,14 +76,17 @@ def _lean_forward(ext, layer, sliding_window: int | None):
         cos, sin = position_embeddings
         T = hidden_states.shape[1]
         h = ext.rms_norm(hidden_states, in_norm.weight, in_norm.variance_epsilon)
-        q = attn.q_proj(h).view(T, -1, head_dim)
-        k = attn.k_proj(h).view(T, -1, head_dim)
-        v = attn.v_proj(h).view(T, -1, head_dim)
+        few = T <= fused_projections.FUSED_ROWS
+        qkv = fused_projections.get(attn, qkv_names) if few else None
+        q, k, v = qkv(h) if qkv is not None else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))
+        q, k, v = q.view(T, -1, head_dim), k.view(T, -1, head_dim), v.view(T, -1, head_dim)
         ext.rotary_embedding_(q, k, cos.view(T, head_dim), sin.view(T, head_dim))
         k_cache, v_cache = ctx.kv_caches[attn.layer_idx]
         o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.metadata, scale=scale, sliding_window=sliding_window)
         o = attn.o_proj(o.reshape(1, T, -1))
         hidden_states, h = ext.add_rms_norm(hidden_states, o, post_norm.weight, post_norm.variance_epsilon)
-        return hidden_states + mlp.down_proj(ext.silu_and_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+        gate_up = fused_projections.get(mlp, gate_up_names) if few else None
+        gate, up = gate_up(h) if gate_up is not None else (mlp.gate_proj(h), mlp.up_proj(h))
+        return hidden_states + mlp.down_proj(ext.silu_and_mul(gate, up))
 
     return forward

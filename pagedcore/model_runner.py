@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedcore import fused_norms, lean_layers, packed_linear
+from pagedcore import fused_norms, fused_projections, lean_layers, packed_linear
 from pagedcore.attention import hf_glue
 from pagedcore.attention.backend import AttentionMetadata
 from pagedcore.config import EngineConfig
@@ -79,6 +79,7 @@ class ModelRunner:
         lean_layers.install(model, device)
         if config.pack_weights:
             logger.info("packed linears: %d", packed_linear.install(model, device))
+            logger.info("fused projections: %d", fused_projections.install(model, device))
         self.captured = None
         if config.use_compile(device):
             from pagedcore.capture import CapturedForward

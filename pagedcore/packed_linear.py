@@ -54,10 +54,13 @@ def _patch(ext, module: nn.Linear) -> installs.Undo:
     original = type(module).forward
     module._pagedcore_packed = packed
 
+    dtype = packed.dtype  # not the tensor itself: the closure must not keep a replaced weight alive
+
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != packed.dtype or x.device.type != "cpu" or x.requires_grad:
+        if x.dtype != dtype or x.device.type != "cpu" or x.requires_grad:
             return original(module, x)
-        return ext.packed_linear(x, packed, out_features, bias)
+        # Looked up per call: fused_projections.py may re-point it at a slice of a fused weight.
+        return ext.packed_linear(x, module._pagedcore_packed, out_features, bias)
 
     undo_forward = installs.set_forward(module, forward)
 

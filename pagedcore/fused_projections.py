@@ -1,0 +1,129 @@
+"""q/k/v and gate/up projections as one matmul each at decode (CPU packed or int4 weights).
+
+A decode row reads every weight once, so a step is bound by memory traffic, and each linear call
+pays a fixed ~10 us (Python, the op's dispatch, the thread fork, a cold prefetch stream) beside
+streaming its weight: k_proj/v_proj (221 KB of bf16) ran at 44% of the read bandwidth alone. Three
+calls become one over the concatenated weight, two become one for gate/up (vLLM's QKVParallelLinear
+and MergedColumnParallelLinear). The packed layouts (packed_linear.py, Int4Linear) are panels of 16
+output columns, so with widths that are multiples of 16 each member's own packed weight is a slice
+of the fused one: the weight is resident once, and the members still run alone on larger batches
+(fused there, q/k/v come back strided, which measured slower downstream at batch 64).
+
+Only the lean layers call these (lean_layers.py); they check the members are still the modules
+fused here, so anything that replaces a projection afterwards (a LoRA wrapper, a plugin) wins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedcore import installs, quantization
+from pagedcore.kernels import cpu_ext
+from pagedcore.quantization import Int4Linear
+
+# Rows up to which the fused matmul runs: decode batches, where a call's fixed cost is not amortised.
+FUSED_ROWS = 8
+GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+_ATTR = "_pagedcore_fused"
+PANEL = 16
+
+
+@dataclass
+class FusedProjection:
+    members: tuple[nn.Module, ...]
+    widths: tuple[int, ...]
+    run: callable  # x [..., K] -> y [..., sum(widths)]
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.run(x).split(self.widths, dim=-1)
+
+    def still_installed_on(self, parent: nn.Module, names: tuple[str, ...]) -> bool:
+        return all(getattr(parent, n) is m for n, m in zip(names, self.members))
+
+
+def install(model: nn.Module, device: torch.device) -> int:
+    """Fuse every q/k/v and gate/up group whose members share one packed kind; returns how many."""
+    ext = cpu_ext.load() if device.type == "cpu" else None
+    if ext is None:
+        return 0
+    count = 0
+    for module in model.modules():
+        for child, names in GROUPS:
+            parent = getattr(module, child, None)
+            members_present = isinstance(parent, nn.Module) and all(
+                isinstance(getattr(parent, n, None), nn.Module) for n in names)
+            if members_present and get(parent, names) is None:
+                fused = _fuse(ext, [getattr(parent, n) for n in names])
+                if fused is not None:
+                    parent.__dict__.setdefault(_ATTR, {})[names] = fused
+                    installs.record(model, lambda p=parent: p.__dict__.pop(_ATTR, None))
+                    count += 1
+    return count
+
+
+def get(parent: nn.Module, names: tuple[str, ...]) -> FusedProjection | None:
+    fused = parent.__dict__.get(_ATTR, {}).get(names)
+    return fused if fused is not None and fused.still_installed_on(parent, names) else None
+
+
+def _fuse(ext, members: list[nn.Module]) -> FusedProjection | None:
+    widths = tuple(m.out_features for m in members)
+    if any(w % PANEL for w in widths) or len({m.in_features for m in members}) != 1:
+        return None
+    if all(hasattr(m, "_pagedcore_packed") and type(m) is nn.Linear for m in members):
+        return _fuse_packed(ext, members, widths)
+    if all(type(m) is Int4Linear for m in members):
+        return _fuse_int4(ext, members, widths)
+    return None
+
+
+def _fuse_packed(ext, members: list[nn.Linear], widths: tuple[int, ...]) -> FusedProjection | None:
+    if len({m._pagedcore_packed.dtype for m in members}) != 1:
+        return None
+    packed = torch.cat([m._pagedcore_packed for m in members])
+    bias = _cat_bias(members, widths)
+    _share_panels(packed, members, widths, lambda m, view: setattr(m, "_pagedcore_packed", view))
+    total = sum(widths)
+    return FusedProjection(tuple(members), widths, lambda x: ext.packed_linear(x, packed, total, bias))
+
+
+def _fuse_int4(ext, members: list[Int4Linear], widths: tuple[int, ...]) -> FusedProjection | None:
+    first = members[0]
+    same = all(m.ext is not None and m.input_perm is None and m.group_size == first.group_size
+               and m.int8_activations == first.int8_activations for m in members)
+    if not same:
+        return None
+    packed = torch.cat([m.packed for m in members])
+    scale_min = torch.cat([m.scales_and_zeros for m in members])
+    bias = _cat_bias(members, widths)
+
+    def share(m, packed_view, scale_min_view):
+        m.packed, m.scales_and_zeros = packed_view, scale_min_view
+
+    _share_panels((packed, scale_min), members, widths, share)
+    total, group = sum(widths), first.group_size
+
+    def run(x):
+        rows = quantization.INT8_ACTIVATION_ROWS if first.int8_activations else 0
+        return ext.packed_linear_int4(x, packed, scale_min, total, group, bias, rows)
+
+    return FusedProjection(tuple(members), widths, run)
+
+
+def _share_panels(fused, members, widths, assign) -> None:
+    """Point each member at its panels of the fused weight(s), so the weight is resident once."""
+    fused = fused if isinstance(fused, tuple) else (fused,)
+    start = 0
+    for m, w in zip(members, widths):
+        assign(m, *(t.narrow(0, start // PANEL, w // PANEL) for t in fused))
+        start += w
+
+
+def _cat_bias(members, widths) -> torch.Tensor | None:
+    if all(m.bias is None for m in members):
+        return None
+    return torch.cat([m.bias.detach().float() if m.bias is not None else torch.zeros(w)
+                      for m, w in zip(members, widths)])
