@@ -69,6 +69,11 @@ def get(parent: nn.Module, names: tuple[str, ...]) -> FusedProjection | None:
     return fused if fused is not None and fused.still_installed_on(parent, names) else None
 
 
+def installed(model: nn.Module) -> list[FusedProjection]:
+    """Every fused group on `model` (the step profile times them as GEMMs)."""
+    return [f for m in model.modules() for f in m.__dict__.get(_ATTR, {}).values()]
+
+
 def _fuse(ext, members: list[nn.Module]) -> FusedProjection | None:
     widths = tuple(m.out_features for m in members)
     if any(w % PANEL for w in widths) or len({m.in_features for m in members}) != 1:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pagedcore import LLMEngine
+from pagedcore import LLMEngine, fused_projections
 from pagedcore.bench import linears, step_profile
 from pagedcore.cli import main
 
@@ -15,6 +15,11 @@ from pagedcore.cli import main
 def test_step_profile_parts_add_up_and_instrumentation_is_removed(tiny_model_dir):
     engine = LLMEngine(model=str(tiny_model_dir("llama")), num_kv_blocks=64, max_num_seqs=4)
     before = {id(m): m.__dict__.get("forward") for m in engine.model.modules()}
+    fused = fused_projections.installed(engine.model)
+    runs = [f.run for f in fused]
+    assert len(fused) == 4  # q/k/v and gate/up of 2 layers: decode's matmuls, timed as GEMMs too
+    with step_profile.instrument(engine, step_profile.StepTimers()):
+        assert all(f.run is not r for f, r in zip(fused, runs))
     rows = step_profile.run(engine, batches=(1, 4), read_gbs=10.0, matmul_tflops=0.05, prompt_len=20, steps=3)
     for row in rows:
         parts = [row[p] for p in step_profile.PARTS]
@@ -24,6 +29,7 @@ def test_step_profile_parts_add_up_and_instrumentation_is_removed(tiny_model_dir
     assert rows[1]["matmul_ms"] == pytest.approx(4 * rows[0]["matmul_ms"], rel=0.05)
     # Nothing of the timers stays behind: same forwards, sampler and runner methods as before.
     assert {id(m): m.__dict__.get("forward") for m in engine.model.modules()} == before
+    assert [f.run for f in fused] == runs
     assert "prepare" not in vars(engine.runner) and "sampler" in vars(engine) and callable(engine.sampler.plain_greedy)
     assert not engine.has_unfinished_requests() and engine.kv.num_free_blocks == engine.kv.num_blocks
 

@@ -27,6 +27,8 @@ from collections import defaultdict
 
 import torch
 
+from pagedcore import fused_projections
+
 PARTS = ("prepare", "gemm", "attention", "other_forward", "sample", "output")
 
 
@@ -68,6 +70,8 @@ def instrument(engine, timers: StepTimers):
         # (captured: the graph calls the linears' kernels itself; a wrapper would never run)
         if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Int4Linear":
             set_attr(module, "forward", timers.wrap("gemm", module.forward))
+    for fused in fused_projections.installed(engine.model) if not captured(engine) else ():
+        set_attr(fused, "run", timers.wrap("gemm", fused.run))  # q/k/v, gate/up as one matmul at decode
     try:
         yield
     finally:
