@@ -36,6 +36,8 @@ def save_checkpoint(path, model, tensors: dict[str, torch.Tensor], quantization_
 
     quantized = set(linear_names(model))
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k.rsplit(".", 1)[0] not in quantized}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # the embedding, stored once (safetensors refuses shared tensors)
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     save_file({**state, **tensors}, str(path / "model.safetensors"), metadata={"format": "pt"})
     model.config.save_pretrained(path)

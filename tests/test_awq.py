@@ -49,8 +49,8 @@ def dequantize(t: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
     return w.t()
 
 
-def make_checkpoint(path, tokenizer, group_size=32, version="gemm", bits=4):
-    model = tiny_llama()
+def make_checkpoint(path, tokenizer, group_size=32, version="gemm", bits=4, model=None):
+    model = model or tiny_llama()
     tensors, weights = {}, {}
     for name in linear_names(model):
         t = quantize(model.get_submodule(name).weight.detach(), group_size)

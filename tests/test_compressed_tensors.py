@@ -16,14 +16,14 @@ from pagedcore import compressed_tensors as ct  # noqa: E402
 from pagedcore.quantization import Int4Linear  # noqa: E402
 
 
-def make_checkpoint(path, tokenizer, group_size=32, symmetric=True, num_bits=4, strategy="group"):
+def make_checkpoint(path, tokenizer, group_size=32, symmetric=True, num_bits=4, strategy="group", model=None):
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
                                                  apply_quantization_config)
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32)
+    model = model or AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32)
     if strategy == "channel":
         group_size = None
     args = QuantizationArgs(num_bits=num_bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group_size)

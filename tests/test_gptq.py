@@ -51,8 +51,8 @@ def dequantize(t: dict[str, torch.Tensor], v1: bool = True) -> torch.Tensor:
     return (t["scales"].float()[g] * (q - zeros[g])).t()
 
 
-def make_checkpoint(path, tokenizer, group_size=32, sym=True, desc_act=False, bits=4, fmt="gptq"):
-    model = tiny_llama()
+def make_checkpoint(path, tokenizer, group_size=32, sym=True, desc_act=False, bits=4, fmt="gptq", model=None):
+    model = model or tiny_llama()
     gen = torch.Generator().manual_seed(1)
     tensors, weights = {}, {}
     for name in linear_names(model):
