@@ -48,7 +48,8 @@ class XGrammarBackend(StructuredOutputBackend):
         try:
             if kind == "json":
                 # No arbitrary whitespace: small models otherwise stall emitting spaces.
-                return self.compiler.compile_json_schema(json.dumps(spec.schema), any_whitespace=False)
+                schema = _escaped_bounded_strings(spec.schema)
+                return self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
             if kind == "json_object":
                 return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             if kind == "regex":
@@ -64,6 +65,22 @@ class XGrammarBackend(StructuredOutputBackend):
 
     def fill_bitmask(self, grammars, bitmask, rows) -> None:
         self.batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask, rows)
+
+
+def _escaped_bounded_strings(node):
+    """xgrammar 0.2.8 lets raw control characters into strings with minLength / maxLength (invalid
+    JSON); the same bounds as a pattern over the characters JSON allows unescaped keep it valid."""
+    if isinstance(node, list):
+        return [_escaped_bounded_strings(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: _escaped_bounded_strings(v) for k, v in node.items()}
+    types = node.get("type")
+    is_string = types == "string" or isinstance(types, list) and "string" in types
+    if is_string and ("minLength" in node or "maxLength" in node) and "pattern" not in node and "format" not in node:
+        low, high = node.pop("minLength", 0), node.pop("maxLength", "")
+        node["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{low},{high}}}$'
+    return node
 
 
 def _message(e: Exception) -> str:
