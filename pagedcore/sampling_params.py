@@ -56,6 +56,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.logit_bias, dict):  # from JSON the token ids are strings ("123"), as OpenAI sends them
+            self.logit_bias = {int(t) if isinstance(t, str) and t.isdigit() else t: b for t, b in self.logit_bias.items()}
         if self.structured_outputs is not None:
             try:
                 self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
