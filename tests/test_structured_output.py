@@ -204,3 +204,28 @@ def llm(model_dir):
     from pagedcore import LLM
 
     return LLM(str(model_dir), num_kv_blocks=16)
+
+
+def test_hf_drop_in_generate_passes_structured_outputs_through(model_dir, smollm2_tokenizer):
+    """A patched model.generate(..., structured_outputs=...) runs constrained on the engine; a spec the
+    engine refuses is an error (transformers has no fallback for it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagedcore.adapters.hf import patched
+
+    hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    ids = torch.tensor([smollm2_tokenizer.encode(PROMPTS[0])])
+    with patched(hf_model, num_kv_blocks=32) as model:
+        with pytest.raises(ValueError, match="need a tokenizer"):
+            model.generate(ids, max_new_tokens=4, structured_outputs={"choice": ["a", "b"]})
+    with patched(hf_model, tokenizer=smollm2_tokenizer, num_kv_blocks=32) as model:
+        out = model.generate(ids, max_new_tokens=120, do_sample=True, temperature=1.0, num_return_sequences=2,
+                             structured_outputs={"json": PERSON})
+        for row in out[:, ids.shape[1]:].tolist():
+            text = smollm2_tokenizer.decode(row, skip_special_tokens=True)
+            jsonschema.validate(json.loads(text), PERSON)
+        with pytest.raises(InvalidRequestError, match="parenthesis"):
+            model.generate(ids, max_new_tokens=4, structured_outputs={"regex": "a(b"})
+        with pytest.raises(ValueError, match="structured_outputs with beam search"):
+            model.generate(ids, max_new_tokens=4, num_beams=2, structured_outputs={"choice": ["a", "b"]})
