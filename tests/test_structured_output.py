@@ -229,3 +229,62 @@ def test_hf_drop_in_generate_passes_structured_outputs_through(model_dir, smollm
             model.generate(ids, max_new_tokens=4, structured_outputs={"regex": "a(b"})
         with pytest.raises(ValueError, match="structured_outputs with beam search"):
             model.generate(ids, max_new_tokens=4, num_beams=2, structured_outputs={"choice": ["a", "b"]})
+
+
+def _sampled_mixed(n: int = 2):
+    reqs = [(PROMPTS[i], SamplingParams(temperature=1.0, seed=500 + i, n=n, max_tokens=120,
+                                        structured_outputs={"json": SCHEMAS[i % 4]})) for i in range(4)]
+    reqs += [(PROMPTS[4], SamplingParams(temperature=1.0, seed=7, n=n, max_tokens=30, structured_outputs={"regex": REGEX})),
+             (PROMPTS[5], SamplingParams(temperature=1.0, seed=8, max_tokens=30, structured_outputs={"choice": CHOICE}))]
+    return reqs
+
+
+def _assert_valid(outs, reqs):
+    for i, (_, params) in enumerate(reqs):
+        spec = params.structured_outputs
+        for c in outs[str(i)].outputs:
+            assert c.finish_reason == "stop", (i, c.text)
+            if spec.kind == "json":
+                jsonschema.validate(json.loads(c.text), spec.json)
+            elif spec.kind == "regex":
+                assert re.fullmatch(REGEX, c.text), c.text
+            else:
+                assert c.text in CHOICE
+
+
+def test_llguidance_backend_through_the_same_interface(model_dir):
+    pytest.importorskip("llguidance")
+    reqs = _sampled_mixed()
+    eng = engine(model_dir, structured_outputs_backend="llguidance")
+    outs, seqs = run(eng, reqs)
+    assert eng.structured_output.backend.name == "llguidance"
+    _assert_valid(outs, reqs)
+    for rid, group in seqs.items():
+        assert all(s.grammar.num_accepted_tokens == s.num_output_tokens and s.grammar.is_terminated() for s in group)
+
+
+def test_a_plugin_adds_a_backend_through_the_hook(model_dir):
+    from pagedcore.hookspecs import hookimpl
+    from pagedcore.structured_output.xgrammar_backend import XGrammarBackend
+
+    class Counting(XGrammarBackend):
+        name = "counting"
+        compiled = 0
+
+        def compile(self, spec):
+            Counting.compiled += 1
+            return super().compile(spec)
+
+    class Plugin:
+        @hookimpl
+        def pagedcore_structured_output_backend(self, name, tokenizer, vocab_size, stop_token_ids):
+            return Counting(tokenizer, vocab_size, stop_token_ids) if name == "counting" else None
+
+    reqs = _sampled_mixed(n=1)
+    eng = engine(model_dir, structured_outputs_backend="counting", plugins=[Plugin()])
+    outs, _ = run(eng, reqs + reqs[:2])  # the repeated specs come from the cache
+    _assert_valid(outs, reqs)
+    assert Counting.compiled == len(reqs)
+    with pytest.raises(InvalidRequestError, match="no structured outputs backend 'nope'"):
+        eng2 = engine(model_dir, structured_outputs_backend="nope")
+        eng2.compile_grammar(reqs[0][1]).result()
