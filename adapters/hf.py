@@ -262,6 +262,8 @@ def _dispatch(model, args, kwargs):
         plan = translate(model, state.original, args, kwargs)
         with state.lock:
             engine = state.engine_for(model, plan.tokenizer)
+            if plan.params.structured_outputs is not None and not state.engine_has_tokenizer:
+                raise Unsupported("structured_outputs need a tokenizer: tokenizer= to patch() or generate()")
             prompts = _admit(engine, plan)
             if plan.right_padded:
                 state.warn_once("right", "pagedcore: right-padded rows continue from their last real token "
@@ -271,6 +273,8 @@ def _dispatch(model, args, kwargs):
                                 "scores nor beam_indices")
             return _run(model, state, engine, plan, prompts)
     except Unsupported as e:
+        if kwargs.get("structured_outputs") is not None:  # transformers has no such thing: no fallback
+            raise ValueError(f"pagedcore.adapters.hf: structured_outputs needs the engine, but {e}") from None
         warnings.warn(f"pagedcore.adapters.hf: {e}; running transformers' generate() instead",
                       FallbackWarning, stacklevel=3)
         return state.original(*args, **kwargs)
@@ -290,10 +294,17 @@ def _admit(engine: LLMEngine, plan: GeneratePlan) -> list:
     capacity = engine.max_token_capacity()
     if max(map(len, plan.prompts)) + plan.params.max_tokens > capacity:
         raise Unsupported(f"a row does not fit the engine's context of {capacity} tokens")
+    if plan.params.structured_outputs is not None and not engine_eos <= asked:
+        raise Unsupported(f"structured_outputs with eos_token_id {plan.eos} (the grammar ends on the engine's EOS "
+                          f"{sorted(engine_eos)})")
     try:
-        return [engine.process_prompt(p, plan.params) for p in plan.prompts]
+        prompts = [engine.process_prompt(p, plan.params) for p in plan.prompts]
     except InvalidRequestError as e:
         raise Unsupported(str(e)) from None
+    future = engine.compile_grammar(plan.params)
+    if future is not None:
+        future.result()  # a bad schema, regex or grammar: InvalidRequestError naming it
+    return prompts
 
 
 def _run(model, state: _PatchState, engine: LLMEngine, plan: GeneratePlan, prompts):

@@ -6,7 +6,9 @@ prompt), a GenerationConfig and/or kwargs merged with `model.generation_config` 
 transformers merges them; greedy, sampling (temperature, top_k, top_p, min_p), repetition_penalty,
 max_new_tokens / max_length, min_new_tokens / min_length, eos_token_id (int or list), pad_token_id,
 stop_strings (with tokenizer=), num_return_sequences, beam search (num_beams, length_penalty,
-early_stopping), streamers (batch of one), return_dict_in_generate with output_scores / output_logits.
+early_stopping), streamers (batch of one), return_dict_in_generate with output_scores / output_logits,
+and pagedcore's own `structured_outputs=` (SamplingParams' constrained decoding; no transformers
+counterpart, so a call that cannot run on the engine is an error rather than a fallback).
 
 Anything else raises `Unsupported(reason)`, and the adapter runs transformers' own generate(): logits
 processors / stopping criteria / prefix_allowed_tokens_fn / assistants / custom_generate, any other
@@ -94,6 +96,7 @@ def translate(model, original, args, kwargs) -> GeneratePlan:
     if model.training and _has_dropout(model):
         raise Unsupported("the model is in training mode with dropout")
     extra.pop("trust_remote_code", None)
+    structured = extra.pop("structured_outputs", None)
     tokenizer = extra.pop("tokenizer", None)
     if extra.pop("assistant_tokenizer", None) is not None:
         raise Unsupported("assistant_tokenizer is not supported")
@@ -164,6 +167,8 @@ def translate(model, original, args, kwargs) -> GeneratePlan:
             raise Unsupported("repetition_penalty or min_new_tokens with beam search are not supported")
         if output_logits:
             raise Unsupported("output_logits with beam search is not supported")
+        if structured is not None:
+            raise Unsupported("structured_outputs with beam search is not supported")
         params = SamplingParams(use_beam_search=True, best_of=gen.num_beams, n=num_return, max_tokens=max_tokens,
                                 length_penalty=float(gen.length_penalty), early_stopping=gen.early_stopping,
                                 skip_special_tokens=False)
@@ -179,9 +184,9 @@ def translate(model, original, args, kwargs) -> GeneratePlan:
             top_k=(gen.top_k or 0) if sample else 0, top_p=float(gen.top_p or 1.0) if sample else 1.0,
             min_p=float(gen.min_p or 0.0) if sample else 0.0, repetition_penalty=penalty,
             max_tokens=max_tokens, min_tokens=min_tokens, stop=stop, ignore_eos=True, stop_token_ids=eos or [],
-            skip_special_tokens=False)
+            skip_special_tokens=False, structured_outputs=structured)
     return GeneratePlan(input_ids, prompts, params, num_return, beam, eos, pad, min_tokens, streamer,
-                 tokenizer if stop else None, return_dict, output_scores, output_logits, right_padded)
+                 tokenizer if stop or structured is not None else None, return_dict, output_scores, output_logits, right_padded)
 
 
 

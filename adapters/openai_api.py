@@ -16,7 +16,13 @@ Choices made where OpenAI leaves room or the engine differs:
     field without an OpenAI name) go to SamplingParams unchanged.
   * unknown body fields are a 400 naming the field (as OpenAI does); a few OpenAI fields with no
     meaning here (`user`, `metadata`, `store`, ...) are accepted and ignored; unsupported
-    features (`tools`, `logit_bias`, `echo`, `suffix`, non-text `response_format`) are a 400.
+    features (`functions`, `echo`, `suffix`) are a 400.
+  * structured output: `response_format` (`json_object`, `json_schema`) and the engine extra
+    `structured_outputs` (vLLM's) constrain the output (the engine's grammar); `logit_bias` as OpenAI's
+    (token id strings -> [-100, 100]).
+  * tools (chat): `tools` + `tool_choice` ("auto", "none", "required", a named function) through
+    tool_calls.py: `required` / named are constrained to calls whose arguments fit the function's
+    `parameters`; streamed as `delta.tool_calls`; `finish_reason` "tool_calls" when the model called.
   * `timeout` (seconds, an extra): the request's deadline; past it the request is aborted (408, or
     an error event mid-stream). Engine limits (README "Limits and failure behaviour") map to 400
     (too long, too many), 429 + Retry-After (overload), 503 + Retry-After (shutting down, unhealthy).
@@ -35,6 +41,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from pagedcore.adapters.tool_calls import ToolCallStream, ToolChoiceError, ToolRequest, parse_tool_calls, tool_request
 from pagedcore.limits import OverloadedError, RequestFailedError, RequestTimeoutError
 from pagedcore.outputs import CompletionOutput, OutputKind, RequestOutput
 from pagedcore.sampling_params import InvalidRequestError, SamplingParams
@@ -60,11 +67,11 @@ ENGINE_EXTRAS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - 
 _COMMON = {"model", "stream", "stream_options", "n", "temperature", "top_p", "presence_penalty", "frequency_penalty",
            "seed", "max_tokens", "stop", "logprobs", "logit_bias", "user", "timeout",
            "priority", "cache_salt"}  # vLLM's request extras: admission order, a tenant's own prefix cache
-COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of", "response_format"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
                          "functions", "function_call", "parallel_tool_calls", "store", "metadata", "service_tier",
                          "modalities", "prompt_cache_key", "safety_identifier", "reasoning_effort"}
-_CHAT_ROLES = {"system", "developer", "user", "assistant"}
+_CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 def sse(obj: dict | str) -> str:
@@ -124,7 +131,7 @@ def _stop(body: dict) -> list[str]:
 
 
 def _sampling_params(body: dict, max_tokens: int | None, logprobs: int | None,
-                     rename: dict[str, str]) -> SamplingParams:
+                     rename: dict[str, str], structured: dict | None = None) -> SamplingParams:
     num = (int, float)
     kw: dict[str, Any] = dict(
         n=_get(body, "n", int, "an integer", 1),
@@ -135,11 +142,14 @@ def _sampling_params(body: dict, max_tokens: int | None, logprobs: int | None,
         seed=_get(body, "seed", int, "an integer"),
         stop=_stop(body), max_tokens=max_tokens, logprobs=logprobs)
     kw.update({k: v for k, v in body.items() if k in ENGINE_EXTRAS and v is not None})
+    kw["logit_bias"] = _logit_bias(body)
+    if structured is not None:
+        kw["structured_outputs"] = structured
     try:
         return SamplingParams(**kw)
     except InvalidRequestError as e:
         param = rename.get(e.field, e.field)
-        raise OpenAIError(str(e).replace(f"{e.field} ", f"'{param}' ", 1), param) from e
+        raise OpenAIError(_named(str(e).replace(f"{e.field} ", f"'{param}' ", 1), param), param) from e
     except TypeError as e:  # a wrongly typed extra reaching a comparison
         raise OpenAIError(f"invalid sampling parameters: {e}") from e
 
@@ -157,19 +167,62 @@ def _stream_options(body: dict, stream: bool) -> bool:
     return bool(include_usage)
 
 
+def _named(message: str, param: str) -> str:
+    return message if param in message else f"'{param}': {message}"
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's logit_bias: token ids as strings (JSON keys) -> a bias in [-100, 100]."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if isinstance(bias, dict) and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bias.values()):
+        try:
+            return {int(t): float(b) for t, b in bias.items()}
+        except ValueError:
+            pass
+    raise OpenAIError(f"'logit_bias' must map token ids to numbers in [-100, 100], got {bias!r}", "logit_bias")
+
+
+def _structured_outputs(body: dict, tools: ToolRequest | None) -> tuple[dict | None, str]:
+    """The engine's structured_outputs from `response_format`, the `structured_outputs` extra or a
+    constrained tool choice (at most one of them), and the field to name in its errors."""
+    asked = {}
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        asked["response_format"] = _response_format(fmt)
+    if body.get("structured_outputs") is not None:
+        asked["structured_outputs"] = body["structured_outputs"]
+    if tools is not None and tools.constrained:
+        asked["tools"] = tools.structured_outputs()  # its errors are the functions' parameters'
+    if len(asked) > 1:
+        raise OpenAIError(f"{' and '.join(repr(k) for k in asked)} both constrain the output: send one of them",
+                          list(asked)[1])
+    return next(((v, k) for k, v in asked.items()), (None, "structured_outputs"))
+
+
+def _response_format(fmt: Any) -> dict:
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise OpenAIError("response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                              "response_format")
+        return {"json": schema}
+    raise OpenAIError("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                      f"{{\"type\": \"json_schema\", \"json_schema\": {{...}}}}, got {fmt!r}", "response_format")
+
+
 def _reject_unsupported(body: dict) -> None:
-    if body.get("logit_bias"):
-        raise OpenAIError("'logit_bias' is not supported", "logit_bias")
     if body.get("echo"):
         raise OpenAIError("'echo' is not supported", "echo")
     if body.get("suffix"):
         raise OpenAIError("'suffix' is not supported", "suffix")
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise OpenAIError(f"'{name}' (tool calling) is not supported", name)
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise OpenAIError("only response_format {\"type\": \"text\"} is supported", "response_format")
+    if body.get("functions") or body.get("function_call"):
+        raise OpenAIError("'functions' is deprecated and not supported: use 'tools'", "functions")
 
 
 def _timeout(body: dict) -> float | None:
@@ -219,7 +272,12 @@ def _chat_messages(body: dict) -> list[dict]:
             content = ""
         elif not isinstance(content, str):
             raise OpenAIError(f"{param}.content must be a string or a list of text parts", f"{param}.content")
-        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+        msg = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
+        if m["role"] == "assistant" and m.get("tool_calls"):  # an earlier turn's calls, for the template
+            msg["tool_calls"] = m["tool_calls"]
+        if m["role"] == "tool" and m.get("tool_call_id") is not None:
+            msg["tool_call_id"] = m["tool_call_id"]
+        out.append(msg)
     return out
 
 
@@ -234,6 +292,7 @@ class _Choice:
     text_offset: int = 0  # completions logprobs: where the next token's text starts
     finish_reason: str | None = None
     started: bool = False  # chat: the role chunk was sent
+    tool_stream: ToolCallStream | None = None  # chat with tools: content or tool_calls deltas
 
 
 class OpenAIServing:
@@ -261,9 +320,11 @@ class OpenAIServing:
         stream = _get(body, "stream", bool, "a boolean", False)
         include_usage = _stream_options(body, stream)
         logprobs = _get(body, "logprobs", int, "an integer (the number of top logprobs)")
-        params = _sampling_params(body, _get(body, "max_tokens", int, "an integer", 16), logprobs, {})
+        structured, field = _structured_outputs(body, None)
+        params = _sampling_params(body, _get(body, "max_tokens", int, "an integer", 16), logprobs,
+                                  {"structured_outputs": field}, structured)
         return await self._run("cmpl", "text_completion", prompts, params, stream, include_usage, chat=False,
-                               options=options)
+                               options=options, field=field)
 
     async def chat_completions(self, body: Any) -> dict | AsyncIterator[str]:
         _check_fields(body, CHAT_FIELDS)
@@ -271,6 +332,11 @@ class OpenAIServing:
         self._check_model(body)
         _reject_unsupported(body)
         messages = _chat_messages(body)
+        try:
+            tools = tool_request(body)
+        except ToolChoiceError as e:
+            raise OpenAIError(str(e), e.param) from e
+        structured, field = _structured_outputs(body, tools)
         stream = _get(body, "stream", bool, "a boolean", False)
         include_usage = _stream_options(body, stream)
         want_logprobs = _get(body, "logprobs", bool, "a boolean", False)
@@ -280,14 +346,26 @@ class OpenAIServing:
         max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = _get(body, max_name, int, "an integer", None)
         params = _sampling_params(body, max_tokens, (top or 0) if want_logprobs else None,
-                                  {"logprobs": "top_logprobs", "max_tokens": max_name})
+                                  {"logprobs": "top_logprobs", "max_tokens": max_name, "structured_outputs": field},
+                                  structured)
         try:
-            prompt = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                             return_dict=False))
+            prompt = self._chat_prompt(messages, tools)
         except Exception as e:  # the template itself refuses (e.g. role order)
             raise OpenAIError(f"the chat template rejected 'messages': {e}", "messages") from e
         return await self._run("chatcmpl", "chat.completion", [prompt], params, stream, include_usage, chat=True,
-                               options=options)
+                               options=options, field=field, tools=tools)
+
+    def _chat_prompt(self, messages: list[dict], tools: ToolRequest | None) -> list[int]:
+        """The template's token ids; with tools, rendered by the template or, where it ignores them, put in
+        a system message (tool_calls.py), earlier calls written as the model writes them."""
+        render = lambda msgs, **kw: list(self.tokenizer.apply_chat_template(
+            msgs, add_generation_prompt=True, tokenize=True, return_dict=False, **kw))
+        if tools is None:
+            return render(messages)
+        with_tools = render(messages, tools=tools.tools)
+        if with_tools != render(messages):
+            return with_tools
+        return render(tools.fallback_messages(messages))
 
     # ---- the engine side ----------------------------------------------------------------------------
     def _check_model(self, body: dict) -> None:
@@ -299,7 +377,8 @@ class OpenAIServing:
                               status=404, code="model_not_found")
 
     async def _run(self, prefix: str, obj: str, prompts: list, params: SamplingParams, stream: bool,
-                   include_usage: bool, chat: bool, options: dict) -> dict | AsyncIterator[str]:
+                   include_usage: bool, chat: bool, options: dict, field: str = "structured_outputs",
+                   tools: ToolRequest | None = None) -> dict | AsyncIterator[str]:
         rid = f"{prefix}-{uuid.uuid4().hex}"
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
         gens = [self.engine.generate(p, params, f"{rid}-{i}", kind, **options) for i, p in enumerate(prompts)]
@@ -310,14 +389,15 @@ class OpenAIServing:
         except InvalidRequestError as e:
             await _close_all(gens)
             param = ("messages" if chat else "prompt") if e.field == "prompt" else e.field
-            message = str(e) if param in str(e) else f"'{param}': {e}"
+            param = field if param == "structured_outputs" else param  # the grammar did not compile
+            message = _named(str(e), param)
             raise OpenAIError(message, param) from e
         except BaseException as e:
             await _close_all(gens)
             _raise_engine_error(e)
             raise
         if stream:
-            return self._stream(rid, obj + ".chunk" if chat else obj, gens, firsts, params, include_usage, chat)
+            return self._stream(rid, obj + ".chunk" if chat else obj, gens, firsts, params, include_usage, chat, tools)
         try:
             finals = [first if first.finished else await _last(g) for g, first in zip(gens, firsts)]
         except Exception as e:
@@ -325,24 +405,25 @@ class OpenAIServing:
             raise
         finally:
             await _close_all(gens)
-        return self._response(rid, obj, finals, params, chat)
+        return self._response(rid, obj, finals, params, chat, tools)
 
-    def _response(self, rid: str, obj: str, finals: list[RequestOutput], params: SamplingParams, chat: bool) -> dict:
+    def _response(self, rid: str, obj: str, finals: list[RequestOutput], params: SamplingParams, chat: bool,
+                  tools: ToolRequest | None = None) -> dict:
         choices = []
         for i, out in enumerate(finals):
             for c in out.outputs:
                 index = i * params.n + c.index
                 lps = self._logprobs(c, params, chat, 0)
                 if chat:
-                    choices.append({"index": index, "message": {"role": "assistant", "content": c.text},
-                                    "logprobs": lps, "finish_reason": _finish(c)})
+                    message, finish = _message(c, tools)
+                    choices.append({"index": index, "message": message, "logprobs": lps, "finish_reason": finish})
                 else:
                     choices.append({"index": index, "text": c.text, "logprobs": lps, "finish_reason": _finish(c)})
         return {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": _usage(finals, sum(len(c.token_ids) for o in finals for c in o.outputs))}
 
     async def _stream(self, rid: str, obj: str, gens: list, firsts: list[RequestOutput], params: SamplingParams,
-                      include_usage: bool, chat: bool) -> AsyncIterator[str]:
+                      include_usage: bool, chat: bool, tools: ToolRequest | None = None) -> AsyncIterator[str]:
         created = int(time.time())
         choices: dict[int, _Choice] = {}
         prompt_outputs: dict[int, RequestOutput] = {}
@@ -371,9 +452,15 @@ class OpenAIServing:
                         if not (c.text or lps or st.finish_reason or (chat and not st.started)):
                             continue
                         if chat:
-                            delta = {"role": "assistant", "content": c.text} if not st.started else \
-                                ({"content": c.text} if c.text else {})
+                            delta = _delta(st, c.text, tools)
+                            if not st.started:
+                                delta = {"role": "assistant", **({"content": ""} if not delta else delta)}
                             st.started = True
+                            if st.finish_reason is not None and st.tool_stream is not None \
+                                    and st.tool_stream.called:
+                                st.finish_reason = "tool_calls"
+                            if not (delta or lps or st.finish_reason):
+                                continue
                             batch.append({"index": index, "delta": delta, "logprobs": lps,
                                           "finish_reason": st.finish_reason})
                         else:
@@ -420,6 +507,25 @@ class OpenAIServing:
     def _lp_entry(self, token_id: int, logprob: float) -> dict:
         tok = self._token(token_id)
         return {"token": tok, "logprob": logprob, "bytes": list(tok.encode("utf-8", errors="replace"))}
+
+
+def _message(c: CompletionOutput, tools: ToolRequest | None) -> tuple[dict, str | None]:
+    """A chat choice's message and finish reason: its tool calls, if it made any."""
+    if tools is None:
+        return {"role": "assistant", "content": c.text}, _finish(c)
+    content, calls = parse_tool_calls(c.text, tools)
+    if not calls:
+        return {"role": "assistant", "content": content}, _finish(c)
+    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
+
+def _delta(st: _Choice, text: str, tools: ToolRequest | None) -> dict:
+    """A streamed chat choice's delta: its text, or with tools, its content / tool_calls pieces."""
+    if tools is None:
+        return {"content": text} if text else {}
+    if st.tool_stream is None:
+        st.tool_stream = ToolCallStream(tools)
+    return st.tool_stream.feed(text, st.finish_reason is not None)
 
 
 def _finish(c: CompletionOutput) -> str | None:

@@ -33,6 +33,18 @@ _SAMPLING = {
     "stop": _nullable({"oneOf": [{**_STR, "minLength": 1},
                                  {"type": "array", "items": {**_STR, "minLength": 1}, "maxItems": 4}]}),
     "user": _STR,
+    "logit_bias": _nullable({"type": "object", "additionalProperties": {**_NUM, "minimum": -100, "maximum": 100}}),
+    # structured output: OpenAI's response_format, or vLLM's structured_outputs extra (one of them)
+    "response_format": _nullable({"oneOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"type": "string", "enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "json_schema"], "properties": {
+            "type": {"type": "string", "enum": ["json_schema"]},
+            "json_schema": {"type": "object", "required": ["name", "schema"], "properties": {
+                "name": _STR, "schema": {"type": "object"}, "strict": _nullable(_BOOL)}}}}]}),
+    "structured_outputs": _nullable({"type": "object", "minProperties": 1, "maxProperties": 1, "properties": {
+        "json": {"type": "object"}, "regex": {**_STR, "minLength": 1}, "grammar": {**_STR, "minLength": 1},
+        "choice": {"type": "array", "items": {**_STR, "minLength": 1}, "minItems": 1},
+        "json_object": {"type": "boolean", "enum": [True]}}, "additionalProperties": False}),
     # engine extras (vLLM's names; openai_api.ENGINE_EXTRAS): the common ones, any SamplingParams field is accepted
     "top_k": _nullable({**_INT, "minimum": -1}),
     "min_p": _nullable({**_NUM, "minimum": 0, "maximum": 1}),
@@ -60,12 +72,23 @@ _COMPLETION = {
 
 _MESSAGE = {
     "type": "object", "required": ["role", "content"],
-    "properties": {"role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
+    "properties": {"role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
                    "content": {"oneOf": [_STR, {"type": "array", "items": {
                        "type": "object", "required": ["type", "text"],
                        "properties": {"type": {"type": "string", "enum": ["text"]}, "text": _STR}}}]},
-                   "name": _STR},
+                   "name": _STR, "tool_call_id": _STR,  # role "tool": the call it answers
+                   "tool_calls": {"type": "array", "items": {  # role "assistant": the calls it made
+                       "type": "object", "required": ["id", "type", "function"], "properties": {
+                           "id": _STR, "type": {"type": "string", "enum": ["function"]},
+                           "function": {"type": "object", "required": ["name", "arguments"],
+                                        "properties": {"name": _STR, "arguments": _STR}}}}}},
 }
+
+_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"type": "string", "enum": ["function"]},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {**_STR, "minLength": 1}, "description": _STR, "parameters": {"type": "object"},
+        "strict": _nullable(_BOOL)}}}}
 
 _CHAT = {
     "type": "object", "required": ["model", "messages"], "additionalProperties": False,
@@ -75,6 +98,12 @@ _CHAT = {
         "max_completion_tokens": _nullable({**_INT, "minimum": 1}),
         "logprobs": _nullable(_BOOL),
         "top_logprobs": _nullable({**_INT, "minimum": 0, "maximum": 20}),
+        "tools": _nullable({"type": "array", "items": _TOOL}),
+        "tool_choice": _nullable({"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {
+            "type": "object", "required": ["type", "function"], "properties": {
+                "type": {"type": "string", "enum": ["function"]},
+                "function": {"type": "object", "required": ["name"], "properties": {"name": _STR}}}}]}),
+        "parallel_tool_calls": _nullable(_BOOL),
     },
 }
 

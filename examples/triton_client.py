@@ -2,6 +2,12 @@
 
     pagedcore serve-triton                      # in another terminal: HTTP 8000, gRPC 8001, metrics 8002
     python examples/triton_client.py "Write a haiku about the sea." --max-tokens 64
+    python examples/triton_client.py "Describe a person." --json-schema '{"type": "object", "properties":
+        {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}'
+    python examples/triton_client.py "Is the sea blue?" --choice yes no
+
+Structured output goes in `sampling_parameters` as vLLM's `structured_outputs` ({"json": schema},
+{"regex": ...}, {"choice": [...]}, {"grammar": ebnf}, {"json_object": true}).
 
 The server takes `text_input` as is; the chat template is applied here (with the bundled model's
 tokenizer unless --tokenizer names another, or not at all with --no-chat).
@@ -48,16 +54,25 @@ def main() -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--tokenizer", default=None, help="HF tokenizer for the chat template (default: the bundled model's)")
     p.add_argument("--no-chat", action="store_true", help="send the prompt raw")
+    constrain = p.add_mutually_exclusive_group()
+    constrain.add_argument("--json-schema", help="constrain the output to this JSON schema (JSON text)")
+    constrain.add_argument("--regex", help="constrain the output to this regular expression")
+    constrain.add_argument("--choice", nargs="+", help="the output is exactly one of these strings")
     args = p.parse_args()
+    sampling_parameters = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    if args.json_schema:
+        sampling_parameters["structured_outputs"] = {"json": json.loads(args.json_schema)}
+    elif args.regex:
+        sampling_parameters["structured_outputs"] = {"regex": args.regex}
+    elif args.choice:
+        sampling_parameters["structured_outputs"] = {"choice": args.choice}
 
     prompt = args.prompt if args.no_chat else chat_prompt(args.prompt, args.tokenizer)
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(args.url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     try:
-        client.async_stream_infer(args.model, make_inputs(prompt, {"max_tokens": args.max_tokens,
-                                                                    "temperature": args.temperature}),
-                                  enable_empty_final_response=True)
+        client.async_stream_infer(args.model, make_inputs(prompt, sampling_parameters), enable_empty_final_response=True)
         while True:
             result, error = responses.get(timeout=300)
             if error is not None:

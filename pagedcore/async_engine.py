@@ -112,6 +112,7 @@ class AsyncLLMEngine:
             self.engine.reject(e)
             raise e
         processed = self.engine.process_prompt(prompt, sampling_params)  # pure: no lock needed
+        await self._check_grammar(processed.params)
         self.engine.check_request_options(priority, cache_salt)  # reads config only
         request_id = request_id or f"async-{next(self._ids)}"
         if request_id in self._streams:
@@ -132,6 +133,18 @@ class AsyncLLMEngine:
         finally:
             if not finished:  # cancelled, or the caller stopped iterating
                 self.abort(request_id)
+
+    async def _check_grammar(self, params) -> None:
+        """A constrained request waits for its grammar here (compiled in the engine's pool, cached), so a
+        bad schema, regex or grammar is refused before anything is queued."""
+        future = self.engine.compile_grammar(params)
+        if future is None:
+            return
+        try:  # shielded: a caller that goes away must not cancel a compile other requests share
+            await asyncio.shield(asyncio.wrap_future(future))
+        except InvalidRequestError as e:
+            self.engine.reject(e)
+            raise
 
     def abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

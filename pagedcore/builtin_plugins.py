@@ -32,3 +32,16 @@ def pagedcore_scheduling_policy(name):
     from pagedcore.scheduling_policies import POLICIES
 
     return POLICIES[name]() if name in POLICIES else None
+
+
+@hookimpl(trylast=True)
+def pagedcore_structured_output_backend(name, tokenizer, vocab_size, stop_token_ids):
+    if name == "xgrammar":
+        from pagedcore.structured_output.xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend(tokenizer, vocab_size, stop_token_ids)
+    if name == "llguidance":
+        from pagedcore.structured_output.llguidance_backend import LLGuidanceBackend
+
+        return LLGuidanceBackend(tokenizer, vocab_size, stop_token_ids)
+    return None

@@ -48,6 +48,8 @@ class EngineConfig:
     # Speculative decoding, vLLM's keys (README, "Speculative decoding"): {"method": "ngram" | "draft_model" |
     # "layer_skip", "num_speculative_tokens": k, ...}; JSON on the command line. None: off.
     speculative_config: dict | None = None
+    # Constrained decoding (SamplingParams.structured_outputs): "xgrammar" | "llguidance" | a plugin's
+    structured_outputs_backend: str = "xgrammar"
     # ---- tensor parallelism (README "Tensor parallelism"; pagedcore/distributed/) ----
 
     # Ranks the model is sharded over by its Hugging Face tensor-parallel plan (column-parallel q/k/v/gate/up,

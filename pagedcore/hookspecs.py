@@ -57,6 +57,14 @@ def pagedcore_scheduling_policy(name):
     `uses_priority` (whether requests may carry a priority); None if the name is not yours."""
 
 
+@hookspec(firstresult=True)
+def pagedcore_structured_output_backend(name, tokenizer, vocab_size, stop_token_ids):
+    """Return the structured-output backend called `name` (`EngineConfig.structured_outputs_backend`;
+    built in: "xgrammar", "llguidance"), a `pagedcore.structured_output.backend.StructuredOutputBackend`
+    for this tokenizer, `vocab_size` (the logits' width) and the model's stop tokens; None if the name is
+    not yours. Called once, on the first constrained request, in a compile thread."""
+
+
 @hookspec
 def pagedcore_request_event(event, request_id, seq_index, info):
     """A request changed state. `event` is one of "added", "scheduled", "preempted", "finished",

@@ -62,6 +62,9 @@ class LLM:
         if len(priority) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
         processed = [self.engine.process_prompt(p, sp) for p, sp in zip(prompts, params)]
+        grammars = [self.engine.compile_grammar(p.params) for p in processed]  # all compile at once
+        for future in filter(None, grammars):
+            future.result()  # a bad schema, regex or grammar: InvalidRequestError, nothing queued
         ids = []
         try:
             for p, prio in zip(processed, priority):

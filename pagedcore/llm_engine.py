@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import time
@@ -24,6 +25,7 @@ from pagedcore.sampler import Sampler, SamplingBatch
 from pagedcore.sampling_params import InvalidRequestError, SamplingParams
 from pagedcore.scheduler import SampledOutput, Scheduler, SequenceSample
 from pagedcore.sequence import Sequence, SequenceStatus
+from pagedcore.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("pagedcore")
 
@@ -116,6 +118,8 @@ class LLMEngine:
         self._request_counter = itertools.count()
         self.total_generated_tokens = 0
         self.spec = self._spec_decoder()
+        self.structured_output = StructuredOutputManager(self._structured_output_backend, self.vocab_size)
+        self._compiling: dict[str, object] = {}  # request id -> its grammar's future, until attached
         self.max_concurrent_requests = self.config.max_concurrent_requests or max(self.config.max_num_seqs,
                                                                                   self.kv.num_blocks)
         self.rejected = RequestCounts(REJECT_REASONS)  # by reason: pagedcore:requests_rejected_total
@@ -273,6 +277,10 @@ class LLMEngine:
         if params.use_beam_search:
             state.beam = self._beam_group(params, state.seqs[0])
         self.requests[request_id] = state
+        if params.structured_outputs is not None:
+            self._compiling[request_id] = self.compile_grammar(params)
+            for seq in state.seqs:
+                seq.waiting_for_grammar = True
         self._event("added", request_id, None, {"num_prompt_tokens": len(p.prompt_token_ids)})
         return request_id
 
@@ -320,13 +328,14 @@ class LLMEngine:
         """One step. Requests past their deadline or max_waiting_time end first; if the step itself
         raises, only its requests fail (outputs with `error` set) and the engine goes on."""
         t0 = time.perf_counter()
-        outputs = self._expire_requests()
+        outputs = self._expire_requests() + self._attach_grammars()
         sched = None
         try:
             if self.spec is not None:
                 self.spec.propose(self.scheduler.running, self._can_speculate)
             sched = self.scheduler.schedule()
             if sched.is_empty:
+                self._wait_for_grammars()
                 return outputs
             rows, logits = self.runner.execute(sched)
             sampled = self._sample([sched.scheduled[i][0] for i in rows], logits)
@@ -358,8 +367,9 @@ class LLMEngine:
 
     def _can_speculate(self, seq: Sequence) -> bool:
         # Beam search scores every beam's next-token distribution: it disables speculation for its request.
+        # Constrained sequences too: drafts would need the grammar's mask per draft position.
         state = self.requests.get(seq.request_id)
-        return state is not None and state.beam is None
+        return state is not None and state.beam is None and seq.grammar is None and not seq.waiting_for_grammar
 
     def _verify(self, seqs: list[Sequence], logits: torch.Tensor, out: SampledOutput):
         """Hand the sequences with drafts (1 + k logits rows each) to the rejection sampler; return the
@@ -455,6 +465,7 @@ class LLMEngine:
         batch = SamplingBatch.build(
             [s.params for s in seqs], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
             [s.generator for s in seqs], self.eos_token_ids, logits.shape[-1], logits.device)
+        batch.token_bitmask = self.structured_output.bitmask([s.grammar for s in seqs])
         out = self.sampler(logits, batch)
         token_ids = out.sampled_token_ids.tolist()
         token_logprobs = out.sampled_logprobs.tolist()
@@ -467,6 +478,57 @@ class LLMEngine:
                 self.output_processor.make_logprobs(token_ids[i], token_logprobs[i], top_ids[i][:k], top_lps[i][:k])]
             samples.append(SequenceSample(seq, [token_ids[i]], [token_logprobs[i]], top, fork_of=parents[i]))
         return samples
+
+    # ---- structured output ---------------------------------------------------------------------
+    def _structured_output_backend(self):
+        """Built on the first constrained request (in a compile thread): through the hook, so a plugin
+        may add a backend."""
+        name = self.config.structured_outputs_backend
+        backend = self.pm.hook.pagedcore_structured_output_backend(
+            name=name, tokenizer=self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=sorted(self.eos_token_ids))
+        if backend is None:
+            raise ValueError(f"no structured outputs backend {name!r} (built in: xgrammar, llguidance)")
+        return backend
+
+    def compile_grammar(self, params: SamplingParams):
+        """Start compiling (or find cached) the grammar of `params.structured_outputs`: a
+        concurrent.futures.Future whose exception is an InvalidRequestError naming the problem; None for
+        an unconstrained request. A door awaits it to refuse a bad schema before queueing the request."""
+        if params.structured_outputs is None:
+            return None
+        return self.structured_output.compile(params.structured_outputs)
+
+    def _attach_grammars(self) -> list[RequestOutput]:
+        """Give each request whose grammar is compiled one matcher per sequence and let it be
+        scheduled; a grammar that failed refuses its request (counted like any bad input)."""
+        outputs = []
+        for rid, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            state = self.requests.get(rid)
+            if state is None:  # aborted meanwhile
+                continue
+            error = future.exception()
+            if error is not None:
+                self.requests.pop(rid)
+                for seq in state.seqs:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                if isinstance(error, InvalidRequestError):
+                    self.reject(error)
+                outputs.append(RequestOutput(rid, state.prompt, state.prompt_token_ids, [], True, state.metrics,
+                                             error=error))
+                continue
+            for seq in state.seqs:
+                seq.grammar = self.structured_output.matcher(future.result())
+                seq.waiting_for_grammar = False
+        return outputs
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing to run but grammars compiling: wait for one (briefly) rather than spin."""
+        if self._compiling:
+            concurrent.futures.wait(list(self._compiling.values()), timeout=0.05,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
 
     # ---- beam search ---------------------------------------------------------------------------
     def _beam_group(self, params: SamplingParams, first: Sequence) -> BeamGroup:

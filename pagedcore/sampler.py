@@ -2,7 +2,7 @@
 
 Processing order follows vLLM:
 
-    min_tokens EOS/stop masking -> repetition penalty -> presence/frequency penalties
+    structured-output bitmask -> logit_bias -> min_tokens EOS/stop masking -> repetition penalty -> presence/frequency penalties
     -> greedy rows: argmax
     -> random rows: temperature -> top-k -> top-p -> min-p -> one draw from the probabilities
 
@@ -28,6 +28,7 @@ import torch
 
 from pagedcore.kernels import cpu_ext
 from pagedcore.sampling_params import SamplingParams
+from pagedcore.structured_output.bitmask import apply_token_bitmask
 
 _NEG_INF = float("-inf")
 
@@ -62,6 +63,10 @@ class SamplingBatch:
     frequency_penalties: torch.Tensor | None = None  # presence/frequency are 0
     prompt_token_ids: torch.Tensor | None = None  # [B, Lp] long, only for repetition
     output_token_ids: torch.Tensor | None = None  # [B, Lo] long, any penalty
+    # Structured output: an int32 bitmask [B, ceil(V / 32)] and the rows it constrains (the engine fills it).
+    token_bitmask: tuple[torch.Tensor, list[int]] | None = None
+    # logit_bias: (row indices, token ids, biases) added to the logits.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # min_tokens: (row indices, token ids) of logits to force to -inf this step.
     min_tokens_block: tuple[torch.Tensor, torch.Tensor] | None = None
     # Seeded random rows only: advancing a generator for a greedy row would make
@@ -126,12 +131,19 @@ class SamplingBatch:
         if not batch.no_penalties:
             batch.output_token_ids = _pad_token_ids(output_token_ids, V, device)
 
-        # min_tokens blocks EOS and stop ids (ignore_eos only changes stopping, not this).
+        biased = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items() if t < V]
+        if biased:
+            rows_, toks_, biases = zip(*biased)
+            batch.logit_bias = (torch.tensor(rows_, dtype=torch.long, device=device),
+                                torch.tensor(toks_, dtype=torch.long, device=device), f32(list(biases)))
+
+        # min_tokens blocks EOS and stop ids (ignore_eos only changes stopping, not this). Not for
+        # constrained rows: their grammar says where the output ends (its only next token may be EOS).
         eos = list(eos_token_ids)
         rows: list[int] = []
         toks: list[int] = []
         for i, (p, out) in enumerate(zip(params, output_token_ids)):
-            if len(out) < p.min_tokens:
+            if len(out) < p.min_tokens and p.structured_outputs is None:
                 blocked = sorted({t for t in (*eos, *p.stop_token_ids) if 0 <= t < V})
                 rows += [i] * len(blocked)
                 toks += blocked
@@ -346,7 +358,7 @@ class Sampler:
         logsumexp in one C++ read of the logits, in their own dtype. None where that does not apply
         (or a row is not finite: the torch path then gives torch's own answer for it)."""
         if not (batch.all_greedy and batch.no_penalties and batch.min_tokens_block is None
-                and batch.max_num_logprobs is None and logits.device.type == "cpu" and logits.dim() == 2):
+                and batch.token_bitmask is None and batch.logit_bias is None and batch.max_num_logprobs is None and logits.device.type == "cpu" and logits.dim() == 2):
             return None
         ext = _cpu_ext()
         if ext is None:
@@ -358,7 +370,14 @@ class Sampler:
 
     @staticmethod
     def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """min_tokens masking and penalties: what greedy and random rows share."""
+        """The grammar's mask, logit bias, min_tokens masking and penalties: what greedy and random rows
+        share."""
+        if batch.token_bitmask is not None:
+            logits = logits.clone()  # the raw logits stay raw: logprobs are the model's own
+            apply_token_bitmask(logits, *batch.token_bitmask)
+        if batch.logit_bias is not None:
+            rows, toks, biases = batch.logit_bias
+            logits = logits.index_put((rows, toks), biases, accumulate=True)
         if batch.min_tokens_block is not None:
             logits = logits.index_put(batch.min_tokens_block, torch.tensor(_NEG_INF, device=logits.device))
         if not batch.no_penalties:

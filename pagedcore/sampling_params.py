@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedcore.structured_output.params import StructuredOutputsParams
+
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses; `field` names the offending input."""
@@ -42,6 +44,10 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    # Constrained decoding (vLLM's names): {"json": schema} | {"regex": str} | {"choice": [...]} |
+    # {"grammar": ebnf} | {"json_object": True}; see pagedcore/structured_output/.
+    structured_outputs: StructuredOutputsParams | dict | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit, in [-100, 100] (OpenAI)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,6 +56,13 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.logit_bias, dict):  # from JSON the token ids are strings ("123"), as OpenAI sends them
+            self.logit_bias = {int(t) if isinstance(t, str) and t.isdigit() else t: b for t, b in self.logit_bias.items()}
+        if self.structured_outputs is not None:
+            try:
+                self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
+            except (ValueError, TypeError) as e:
+                raise InvalidRequestError(str(e), "structured_outputs") from e
         self._validate()
 
     @classmethod
@@ -105,8 +118,18 @@ class SamplingParams:
         self._check(self.early_stopping in (True, False, "never"), "early_stopping", "must be true, false or 'never'")
         if self.use_beam_search:
             self._check(not self.stop, "stop", "is not supported with beam search")
+            self._check(self.structured_outputs is None, "structured_outputs", "is not supported with beam search")
+        if self.logit_bias is not None:
+            self._check(isinstance(self.logit_bias, dict) and all(
+                isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) and -100 <= b <= 100
+                for t, b in self.logit_bias.items()), "logit_bias",
+                "must map token ids (integers >= 0) to biases in [-100, 100]")
 
     def validate_vocab(self, vocab_size: int) -> None:
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
             raise InvalidRequestError(f"stop_token_ids {bad} outside the vocabulary ({vocab_size})", "stop_token_ids")
+        bad = [t for t in self.logit_bias or {} if t >= vocab_size]
+        if bad:
+            raise InvalidRequestError(f"logit_bias token ids {bad[:5]} outside the vocabulary ({vocab_size})",
+                                      "logit_bias")

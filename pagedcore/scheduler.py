@@ -159,12 +159,16 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        i = 0  # sequences whose grammar still compiles are stepped over, not waited for
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[i]
+            if seq.waiting_for_grammar:
+                i += 1
+                continue
             num_new = self.kv.allocate_new_sequence(seq, budget, self.config.enable_chunked_prefill)
             if num_new is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             self._start_running(seq, num_new, out)
             budget -= num_new
 
@@ -245,6 +249,10 @@ class Scheduler:
         for i, token in enumerate(sample.token_ids):
             seq.append_token(token, sample.logprobs[i],
                              sample.top_logprobs[i] if sample.top_logprobs is not None else None)
+            if seq.grammar is not None and not seq.grammar.accept_token(token):
+                # The bitmask allows only what the grammar accepts: only a plugin's processor gets here.
+                seq.stop_reason = f"token {token} violates the request's structured_outputs"
+                return SequenceStatus.FINISHED_ABORTED
             status = self._check_stop(seq)
             if status is not None:
                 return status
@@ -257,6 +265,8 @@ class Scheduler:
         stop_str = _detokenize(seq, token, can_stop)
         if stop_str is not None:
             seq.stop_reason = stop_str
+            return SequenceStatus.FINISHED_STOPPED
+        if seq.grammar is not None and seq.grammar.is_terminated():  # complete, its stop token accepted
             return SequenceStatus.FINISHED_STOPPED
         if can_stop and not p.ignore_eos and token in self.eos_token_ids:
             return SequenceStatus.FINISHED_STOPPED

@@ -54,6 +54,10 @@ class Sequence:
     num_draft_tokens: int = 0
     stop_reason: int | str | None = None
     detokenizer: object | None = None
+    # Structured output: the sequence's grammar matcher (structured_output/backend.py), advanced on each
+    # appended token; `waiting_for_grammar` keeps it out of the batch while its grammar compiles.
+    grammar: object | None = None
+    waiting_for_grammar: bool = False
     first_token_time: float | None = None
     finished_time: float | None = None
 

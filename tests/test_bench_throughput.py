@@ -150,3 +150,19 @@ def test_bf16_tpot_target_of_an_fp32_run_uses_the_bf16_row():
     assert names["single-stream bf16 TPOT / weight-read time"]["met"] is False
     report["single_stream"].pop()
     assert targets(report)[4]["met"] is None  # no bf16 row: not assessed
+
+
+def test_structured_json_bench_smoke(tiny_model_dir, tmp_path):
+    """`--structured json`: both runs generate every requested token (the grammar never completes), so
+    the tok/s compare the same work; one compile time per distinct schema."""
+    out = tmp_path / "structured.json"
+    assert main(["bench", "throughput", "--model", str(tiny_model_dir("llama")), "--dtype", "float32",
+                 "--num-prompts", "4", "--input-min", "8", "--input-max", "24", "--output-min", "3",
+                 "--output-max", "6", "--num-threads", "1", "--structured", "json", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    assert runs["json"]["output_tokens"] == runs["unconstrained"]["output_tokens"] == sum(
+        requested_output_lens(report, tiny_model_dir("llama")))
+    assert runs["json"]["finish_reasons"] == ["length"]
+    assert report["compile_ms"]["count"] == 4 and 0 < report["compile_ms"]["p50"] <= report["compile_ms"]["p99"]
+    assert report["target"]["met"] == (report["constrained_over_unconstrained"] >= 0.9)

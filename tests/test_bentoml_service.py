@@ -7,6 +7,7 @@ checked against the offline engine (`pagedcore.LLM`, same settings) on the same 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import time
@@ -270,6 +271,95 @@ def test_32_concurrent_streams_with_disconnects_complete_and_free_every_block(se
     assert time.monotonic() - t0 < 120
 
 
+# ---- structured output and tools ----------------------------------------------------------------------------
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "city": {"enum": ["Paris", "Rome", "Oslo"]}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"], "additionalProperties": False}}}
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
+
+
+def test_response_format_json_schema_streamed_and_not_validates_and_equals_offline(client, offline):
+    jsonschema = pytest.importorskip("jsonschema")
+    messages = user("Describe a person as JSON.")
+    ref = chat_ref(offline, messages, greedy(80, structured_outputs={"json": PERSON}))
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=80, response_format=fmt)
+    assert r.choices[0].message.content == ref.outputs[0].text and r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    chunks = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=80,
+                                            response_format=fmt, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.outputs[0].text
+    # completions, sampled: any JSON object; the structured_outputs extra: a choice
+    r = client.completions.create(model=MODEL, prompt="A JSON object:", max_tokens=60, seed=3, n=2,
+                                  extra_body={"response_format": {"type": "json_object"}})  # not in the client's API
+    done = [c for c in r.choices if c.finish_reason == "stop"]  # seeded: the same choices finish every run
+    assert done and all(isinstance(json.loads(c.text), dict) for c in done), r.choices
+    r = client.chat.completions.create(model=MODEL, messages=user("Pick a colour."), max_tokens=10, seed=1,
+                                       extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})
+    assert r.choices[0].message.content in ("red", "green", "blue")
+
+
+def _assert_calls_valid(calls, names):
+    jsonschema = pytest.importorskip("jsonschema")
+    assert calls and all(c.type == "function" and c.id for c in calls)
+    assert {c.function.name for c in calls} <= set(names)
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), PARAMETERS[c.function.name])
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_tool_calls_streamed_and_not_validate_and_the_client_assembles_them(client, tool_choice):
+    messages = user("What is the weather like in Paris today?")
+    kw = dict(model=MODEL, messages=messages, tools=[WEATHER, ADD], tool_choice=tool_choice, temperature=0,
+              max_tokens=80)
+    r = client.chat.completions.create(**kw)
+    (choice,) = r.choices
+    assert choice.finish_reason == "tool_calls", choice
+    _assert_calls_valid(choice.message.tool_calls, ["get_weather"] if isinstance(tool_choice, dict) else ["get_weather", "add"])
+    with client.chat.completions.stream(**kw) as stream:  # the official client assembles the deltas
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
+           [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    # sampled, n=3: every choice's calls still validate
+    r = client.chat.completions.create(**{**kw, "temperature": 1.0, "seed": 5, "n": 3})
+    for c in r.choices:
+        _assert_calls_valid(c.message.tool_calls, ["get_weather", "add"])
+
+
+def test_tool_choice_auto_and_none_answer_with_content_or_valid_calls(client):
+    r = client.chat.completions.create(model=MODEL, messages=user("Hi! How are you?"), tools=[WEATHER], max_tokens=30,
+                                       temperature=0, tool_choice="none")
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+    r = client.chat.completions.create(model=MODEL, messages=user("What is 2 + 3? Use the add tool."), tools=[ADD],
+                                       max_tokens=60, temperature=0)
+    msg = r.choices[0].message
+    if msg.tool_calls:  # the model chose to call: then the call parsed into tool_calls and validates
+        assert r.choices[0].finish_reason == "tool_calls"
+        _assert_calls_valid(msg.tool_calls, ["add"])
+    else:
+        assert msg.content and "<tool_call>" not in msg.content
+
+
+def test_logit_bias_equals_offline(client, offline):
+    token = offline.get_tokenizer().encode(" banana")[0]
+    ref = gen_ref(offline, "My favourite fruit is", greedy(6, logit_bias={token: 30.0}))
+    r = client.completions.create(model=MODEL, prompt="My favourite fruit is", temperature=0, max_tokens=6,
+                                  logit_bias={str(token): 30})
+    assert r.choices[0].text == ref.outputs[0].text and " banana" in r.choices[0].text
+
+
 # ---- bad input -------------------------------------------------------------------------------------------
 LONG_PROMPT = "hello " * 1100  # over max_model_len = 1024
 
@@ -291,6 +381,17 @@ BAD = {  # name: (route, body, status, param)
     "priority-under-fcfs": ("completions", {"model": MODEL, "prompt": "Hi", "priority": 2}, 400, "priority"),
     "cache-salt-not-string": ("chat/completions", {"model": MODEL, "messages": user("Hi"), "cache_salt": 7}, 400,
                               "cache_salt"),
+    "invalid-json-schema": ("chat/completions", {"model": MODEL, "messages": user("Hi"), "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}}, 400, "response_format"),
+    "invalid-regex": ("completions", {"model": MODEL, "prompt": "Hi", "structured_outputs": {"regex": "a(b"}}, 400,
+                      "structured_outputs"),
+    "unsupported-schema-feature": ("chat/completions", {"model": MODEL, "messages": user("Hi"), "tool_choice": "required",
+                                   "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+                                       "type": "object", "patternProperties": {"^x": {}}}}}]}, 400, "tools"),
+    "unknown-tool": ("chat/completions", {"model": MODEL, "messages": user("Hi"), "tools": [WEATHER],
+                                          "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400,
+                     "tool_choice"),
+    "logit-bias-range": ("completions", {"model": MODEL, "prompt": "Hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
 }
 
 

@@ -42,6 +42,12 @@ QUESTIONS = [
 ]
 MAX_TOKENS = [8, 16]  # the concurrent streams' mix; test_grpc_stream_* also uses (prompt 1, 32 tokens)
 TIMEOUT = 180
+# Structured output (sampling_parameters.structured_outputs, vLLM's names): a JSON schema and a regex.
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+STRUCTURED = {"json": {"temperature": 0, "max_tokens": 60, "structured_outputs": {"json": PERSON}},
+              "regex": {"temperature": 0, "max_tokens": 20, "structured_outputs": {"regex": r"[0-9]{3}-[0-9]{4}"}}}
 
 
 def greedy(max_tokens: int, **kw) -> dict:
@@ -91,9 +97,11 @@ def offline(server_process, prompts):
         llm = LLM(**SETTINGS)  # sets torch's thread count for the whole process: restored below
         cases = [(i, m) for i in range(len(prompts)) for m in MAX_TOKENS] + [(1, 32)]
         outs = llm.generate([prompts[i] for i, _ in cases], [greedy(m) for _, m in cases], use_tqdm=False)
+        structured = llm.generate([prompts[0]] * len(STRUCTURED), list(STRUCTURED.values()), use_tqdm=False)
     finally:
         torch.set_num_threads(threads)
-    return {case: out.outputs[0] for case, out in zip(cases, outs)}
+    return {**{case: out.outputs[0] for case, out in zip(cases, outs)},
+            **{kind: out.outputs[0] for kind, out in zip(STRUCTURED, structured)}}
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +251,20 @@ def test_http_generate_non_streaming_one_response(server, prompts, offline):
     assert r.json()["text_output"] == prompts[0] + ref.text
 
 
+def test_structured_outputs_streamed_and_not_validate_and_equal_offline(server, stream_client, prompts, offline):
+    jsonschema = pytest.importorskip("jsonschema")
+    for kind, params in STRUCTURED.items():
+        results, error = stream_client.generate(infer_inputs(prompts[0], params))
+        assert error is None, error
+        text = "".join(text_of(r) for r in results)
+        assert text == offline[kind].text and results[-1].as_numpy("finish_reason")[0].decode() == "stop"
+        r = requests.post(f"http://{server.http_url}/v2/models/{MODEL}/generate", timeout=TIMEOUT, json={
+            "text_input": prompts[0], "sampling_parameters": json.dumps(params), "exclude_input_in_output": True})
+        assert r.status_code == 200 and r.json()["text_output"] == text, r.text
+    jsonschema.validate(json.loads(offline["json"].text), PERSON)
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", offline["regex"].text)
+
+
 # ---- 32 concurrent streams, some cancelled -------------------------------------------------------------
 async def _stream(client, prompt: str, params: dict, cancel_after: int | None = None) -> dict:
     async def one_request():
@@ -355,6 +377,10 @@ BAD_INPUTS = {
                                  "exclude_input_in_output"),
     "priority under fcfs": (dict(prompt="Hi", params={**greedy(4), "priority": 1}), "sampling_parameters.priority"),
     "cache_salt not a string": (dict(prompt="Hi", params={**greedy(4), "cache_salt": 5}), "sampling_parameters.cache_salt"),
+    "invalid regex": (dict(prompt="Hi", params={**greedy(4), "structured_outputs": {"regex": "a(b"}}),
+                      "sampling_parameters.structured_outputs: structured_outputs.regex does not compile"),
+    "unsupported schema feature": (dict(prompt="Hi", params={**greedy(4), "structured_outputs": {
+        "json": {"type": "object", "patternProperties": {"^x": {}}}}}), "'patternProperties' at # is not supported"),
 }
 
 

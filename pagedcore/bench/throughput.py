@@ -214,6 +214,13 @@ def main(args) -> int:
         read_gbs = roofline.read_bandwidth_gbs()
     settings = dict(model=model_dir, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens)
+    if args.structured:  # the cost of constrained decoding, alone (structured.py)
+        from pagedcore.bench import structured
+
+        report.update(structured.run(settings, prompts, out_lens))
+        structured.print_report(report)
+        _write(report, args.json)
+        return 0
     tp = args.tensor_parallel_size
     if tp > 1:
         # The engine's model is rank 0's shard: the whole-model measurements (roofline, step profile, the extra
@@ -276,11 +283,15 @@ def main(args) -> int:
         report["cold_start_samples_s"] = [round(x, 3) for x in samples]
     report["targets"] = targets(report)
     print_report(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}", file=sys.stderr)
+    _write(report, args.json)
     return 0
+
+
+def _write(report: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {path}", file=sys.stderr)
 
 
 def _cpu_name() -> str:
@@ -318,4 +329,7 @@ def add_parser(bsub) -> None:
                    help="skip the decode step profile (prepare / GEMMs / attention / ... at --profile-batches)")
     t.add_argument("--profile-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64])
     t.add_argument("--json", default=None, help="write results here")
+    t.add_argument("--structured", choices=["json"], default=None,
+                   help="measure constrained decoding instead: tok/s with vs without a JSON schema per request, "
+                        "grammar compile time p50/p99 (no peers)")
     t.set_defaults(func=main)
