@@ -156,3 +156,27 @@ def test_bad_adapters_fail_at_load_with_clear_errors(base_dir, adapters, tmp_pat
     plain = LLM(str(base_dir), dtype="float32", num_kv_blocks=16)
     with pytest.raises(ValueError, match="without LoRA .*enable_lora=True"):
         plain.generate([PROMPTS[0]], greedy(), use_tqdm=False, lora_request=LoRARequest("b", 1, str(adapters["b"])))
+
+
+def test_slots_are_reused_least_recently_used_first(base_dir, adapters):
+    from transformers import AutoModelForCausalLM
+
+    from pagedcore.lora.manager import LoRAManager
+
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    manager = LoRAManager(model, max_loras=2, max_rank=8, device=torch.device("cpu"), dtype=torch.float32)
+    a, b, c = (manager.add_lora(r) for r in requests(adapters).values())
+    cpu = torch.device("cpu")
+    manager.prepare([a, None], [3, 1], cpu)
+    manager.prepare([b], [1], cpu)
+    manager.prepare([a], [1], cpu)  # a is now the most recently used
+    mapping = manager.prepare([c, a, None], [2, 1, 1], cpu)  # b's slot goes to c
+    assert manager.slot_of == {a.uid: 0, c.uid: 1} or manager.slot_of == {a.uid: 1, c.uid: 0}
+    assert mapping.token_slots.tolist() == [manager.slot_of[c.uid]] * 2 + [manager.slot_of[a.uid], -1]
+    q = "model.layers.0.self_attn.q_proj"
+    slot_c = manager.slot_of[c.uid]
+    r = c.weights[q][0].shape[0]
+    assert torch.equal(manager.slots[q].a[slot_c, :r], c.weights[q][0])
+    assert not manager.slots[q].a[slot_c, r:].any()  # zero past the adapter's rank
+    with pytest.raises(RuntimeError, match="over max_loras"):
+        manager.prepare([a, b, c], [1, 1, 1], cpu)

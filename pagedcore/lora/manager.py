@@ -74,14 +74,14 @@ class LoRAManager:
         """Give the step's adapters slots (swapping in from CPU memory as needed); its mapping."""
         if all(lora is None for lora in loras):
             return None
-        slot_of_uid = {}
-        for lora in loras:
-            if lora is not None and lora.uid not in slot_of_uid:
-                slot_of_uid[lora.uid] = self._activate(lora, in_use=slot_of_uid)
+        needed = {lora.uid: lora for lora in loras if lora is not None}
+        if len(needed) > self.max_loras:
+            raise RuntimeError(f"a step holds {len(needed)} adapters, over max_loras ({self.max_loras})")
+        slot_of_uid = {uid: self._activate(lora, needed) for uid, lora in needed.items()}
         return punica.make_mapping([-1 if lora is None else slot_of_uid[lora.uid] for lora in loras],
                                    tokens_per_seq, device)
 
-    def _activate(self, lora: LoRAModel, in_use: dict[int, int]) -> int:
+    def _activate(self, lora: LoRAModel, in_use: dict) -> int:
         slot = self.slot_of.get(lora.uid)
         if slot is not None:
             self.slot_of.move_to_end(lora.uid)
@@ -91,9 +91,7 @@ class LoRAManager:
         if free:
             slot = free[0]
         else:  # evict the least recently used adapter this step does not need
-            uid = next((u for u in self.slot_of if u not in in_use), None)
-            if uid is None:
-                raise RuntimeError(f"a step needs more than max_loras ({self.max_loras}) adapters")
+            uid = next(u for u in self.slot_of if u not in in_use)  # exists: the step holds <= max_loras
             slot = self.slot_of.pop(uid)
         for name, buffers in self.slots.items():
             buffers.set(slot, lora.weights.get(name))
