@@ -99,6 +99,16 @@ class AsyncLLMEngine:
         """Readiness: admitting requests, its thread alive, and not marked unhealthy by failed steps."""
         return self._accepting and self._thread.is_alive() and self.engine.healthy
 
+    # ---- LoRA adapters: the registry has its own lock, so these run in the caller's thread ----
+    def add_lora(self, lora_request) -> bool:
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_name: str) -> bool:
+        return self.engine.remove_lora(lora_name)
+
+    def list_loras(self) -> list:
+        return self.engine.list_loras()
+
     async def generate(self, prompt, sampling_params=None, request_id: str | None = None,
                        output_kind: OutputKind = OutputKind.DELTA, timeout: float | None = None,
                        priority: int = 0, cache_salt: str | None = None,

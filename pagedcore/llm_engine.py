@@ -301,20 +301,31 @@ class LLMEngine:
         return [] if self.lora_manager is None else self.lora_manager.list_loras()
 
     def resolve_lora(self, lora_request):
-        """The LoRAModel a request runs under: loaded on first use from its path, by name after;
-        None for the base model. Unknown names raise UnknownLoRAError."""
+        """The LoRAModel a request runs under (None: the base model). A LoRARequest's adapter is loaded
+        on first use from its path and found by name after; a plain name (the doors') must be held.
+        Unknown names raise UnknownLoRAError."""
         from pagedcore.lora.peft_adapter import LoRAModel
-        from pagedcore.lora.request import LoRARequest
+        from pagedcore.lora.request import LoRARequest, UnknownLoRAError
 
         if lora_request is None or isinstance(lora_request, LoRAModel):
             return lora_request
-        if not isinstance(lora_request, LoRARequest):
-            raise InvalidRequestError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}",
-                                      "lora_request")
+        if not isinstance(lora_request, (LoRARequest, str)):
+            raise InvalidRequestError(f"lora_request must be a LoRARequest or an adapter name, got "
+                                      f"{type(lora_request).__name__}", "lora_request")
+        name = lora_request if isinstance(lora_request, str) else lora_request.lora_name
         if self.lora_manager is None:
-            raise InvalidRequestError(f"LoRA adapter {lora_request.lora_name!r} requested, but the engine runs "
-                                      "without LoRA (start it with enable_lora=True)", "lora_request")
+            raise InvalidRequestError(f"LoRA adapter {name!r} requested, but the engine runs without LoRA (start "
+                                      "it with enable_lora=True)", "lora_request")
+        if isinstance(lora_request, str):
+            lora = self.lora_manager.get(name)
+            if lora is None:
+                raise UnknownLoRAError(name, [a.name for a in self.list_loras()])
+            return lora
         return self.lora_manager.add_lora(lora_request)
+
+    def next_lora_int_id(self) -> int:
+        """An id no held adapter uses (for adapters loaded by name and path alone, e.g. through a door)."""
+        return max((a.int_id for a in self.list_loras()), default=0) + 1
 
     def _load_lora_modules(self) -> None:
         for i, (name, path) in enumerate((self.config.lora_modules or {}).items(), start=1):
