@@ -53,7 +53,11 @@ def test_triton_bgmv_torch_bgmv_and_sgmv_equal_the_loop(layout):
     got_bgmv = punica.bgmv(y.clone(), x, a, b, token_slots)
     mapping = groups_of(token_slots)
     got_sgmv = y.clone() if mapping is None else punica.sgmv(y.clone(), x, a, b, ranks, mapping.groups)
-    for got in (got_triton, got_bgmv, got_sgmv):
+    got = [got_triton, got_bgmv, got_sgmv]
+    if mapping is not None and mapping.onehot is not None:  # several adapters: the CPU's stacked product too
+        got.append(punica.stacked(y.clone(), x, a, b.transpose(1, 2).contiguous(), mapping.span, mapping.onehot))
+    assert (mapping is not None and mapping.onehot is not None) == (layout in ("scattered", "contiguous"))
+    for got in got:
         torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
     if layout == "all-base":
         assert torch.equal(got_triton, y)
@@ -74,6 +78,9 @@ def test_mapping_uses_slices_for_contiguous_runs_and_none_for_base_only():
     groups = dict(m.groups)
     assert groups[1] == slice(5, 6)
     assert groups[0].tolist() == [0, 1, 6, 7, 8, 9]  # not contiguous: an index tensor
+    assert m.span == slice(0, 2) and m.onehot.tolist() == [[1, 0]] * 2 + [[0, 0]] * 3 + [[0, 1]] + [[1, 0]] * 4
+    one = punica.make_mapping([-1, 2, 2], [1, 2, 3], torch.device("cpu"))
+    assert dict(one.groups) == {2: slice(1, 6)} and one.onehot is None  # one run: SGMV's single matmul pair
     assert punica.make_mapping([-1, -1], [3, 1], torch.device("cpu")) is None
 
 

@@ -29,17 +29,24 @@ class LoRASlots:
                  device: torch.device, dtype: torch.dtype):
         self.a = torch.zeros(max_loras, max_rank, in_features, device=device, dtype=dtype)
         self.b = torch.zeros(max_loras, out_features, max_rank, device=device, dtype=dtype)
+        # B transposed per slot, for the CPU's stacked product (punica.stacked); CUDA's kernel reads b
+        self.b_rows = (None if device.type == "cuda"
+                       else torch.zeros(max_loras, max_rank, out_features, device=device, dtype=dtype))
         self.ranks = [0] * max_loras  # 0: the slot's adapter does not touch this layer
 
     def set(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()
+        if self.b_rows is not None:
+            self.b_rows[slot].zero_()
         self.ranks[slot] = 0
         if weights is not None:
             a, b = weights
             r = a.shape[0]
             self.a[slot, :r].copy_(a)
             self.b[slot, :, :r].copy_(b)
+            if self.b_rows is not None:
+                self.b_rows[slot, :r].copy_(b.T)
             self.ranks[slot] = r
 
 
