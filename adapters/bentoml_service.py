@@ -9,9 +9,12 @@ Engine settings come from the environment: `PAGEDCORE_<FIELD>` for every EngineC
 (PAGEDCORE_MODEL, PAGEDCORE_DTYPE, PAGEDCORE_NUM_KV_BLOCKS, PAGEDCORE_MAX_NUM_SEQS,
 PAGEDCORE_MAX_MODEL_LEN, PAGEDCORE_NUM_THREADS, ...); PAGEDCORE_SERVED_MODEL_NAME names the model
 in the API (default: "SmolLM2-135M-Instruct" for the bundled one, else the model path's name).
+LoRA: PAGEDCORE_ENABLE_LORA=true, PAGEDCORE_LORA_MODULES='{"name": "/peft/dir"}'; requests pick an
+adapter by `model`; PAGEDCORE_ALLOW_RUNTIME_LORA_UPDATING=true opens the load/unload routes.
 
 Routes:
   /v1/models, /v1/completions, /v1/chat/completions   OpenAI API (see adapters/openai_api.py)
+  /v1/load_lora_adapter, /v1/unload_lora_adapter       LoRA adapters at run time (vLLM's routes; opt-in)
   /generate                                            native stream of text deltas (POST JSON)
   /healthz /livez /readyz /metrics                     BentoML's own; /metrics adds the engine's pagedcore:*
                                                        metrics (pagedcore/metrics.py; README "Metrics");
@@ -57,6 +60,10 @@ METRICS_INTERVAL_S = 0.5
 def engine_settings_from_env(environ: typing.Mapping[str, str] = os.environ) -> dict:
     """EngineConfig keyword arguments from PAGEDCORE_<FIELD> variables (pagedcore/settings.py)."""
     return settings_from_env(environ)
+
+
+def allow_runtime_lora_updating(environ: typing.Mapping[str, str] = os.environ) -> bool:
+    return environ.get(ENV_PREFIX + "ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true", "yes", "on")
 
 
 def served_model_name(model: str | None, environ: typing.Mapping[str, str] = os.environ) -> str:
@@ -200,7 +207,8 @@ class PagedCore:
         self.engine = AsyncLLMEngine.from_settings(**settings)
         model = settings.get("model")
         self.openai = OpenAIServing(self.engine, served_model_name(model),
-                                    aliases=tuple(a for a in (model,) if a))
+                                    aliases=tuple(a for a in (model,) if a),
+                                    allow_lora_updates=allow_runtime_lora_updating())
         # Read live from the LLMEngine: AsyncLLMEngine.stats() is the last *step's* snapshot, which
         # misses blocks freed by an abort when no step follows.
         self.metrics = PrometheusMetrics(self.engine.engine, self.openai.model_name)
@@ -219,6 +227,14 @@ class PagedCore:
     @app.get("/models")
     async def models(self) -> JSONResponse:
         return JSONResponse(self.openai.models())
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> JSONResponse:
+        return JSONResponse(await self.openai.load_lora_adapter(await _json_body(request, self.engine.engine)))
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> JSONResponse:
+        return JSONResponse(await self.openai.unload_lora_adapter(await _json_body(request, self.engine.engine)))
 
     @app.post("/completions")
     async def completions(self, request: Request):

@@ -29,6 +29,11 @@ Known differences, by design:
   * `scores` / `logits` rows of sequences that already finished hold zeros for the later steps
     (transformers fills them with logits computed on padding). `past_key_values` is None.
   * Beam search returns `sequences_scores` but not the per-step `scores` nor `beam_indices`.
+
+A PEFT-wrapped model (`PeftModel`, or transformers' `load_adapter`) runs PEFT's own LoRA layers, so
+each call uses the active adapter (or none, under `disable_adapter()`); the prefix cache is salted by
+that choice, so switching adapters never reuses KV computed under another. (Serving several adapters
+in one batch is the engine's `enable_lora`, README "LoRA adapters".)
 """
 
 from __future__ import annotations
@@ -319,8 +324,9 @@ def _run(model, state: _PatchState, engine: LLMEngine, plan: GeneratePlan, promp
         state.recorder.watched.update({rid: {} for rid in rids})
     try:
         with _engine_attention(model, state.engine_attn):
+            salt = _adapter_salt(model)
             for rid, p in zip(rids, prompts):
-                engine.add_request(rid, p, output_kind=kind)
+                engine.add_request(rid, p, output_kind=kind, cache_salt=salt)
             if streamer is not None:
                 streamer.put(plan.input_ids.cpu())
             while engine.has_unfinished_requests():
@@ -340,6 +346,16 @@ def _run(model, state: _PatchState, engine: LLMEngine, plan: GeneratePlan, promp
     if streamer is not None:
         streamer.end()
     return _outputs(plan, rids, tokens, scores, recorded)
+
+
+def _adapter_salt(model) -> str | None:
+    """For a PEFT-wrapped model, which adapters its layers apply now (a prefix-cache salt); else None."""
+    if getattr(model, "peft_config", None) is None:
+        return None
+    active = model.active_adapters
+    active = active() if callable(active) else active  # transformers' is a method, PeftModel's a property
+    disabled = any(getattr(m, "disable_adapters", False) for m in model.modules() if hasattr(m, "lora_A"))
+    return "peft:" + ("disabled" if disabled else ",".join(active))
 
 
 def _outputs(plan: GeneratePlan, rids, tokens, scores, recorded):

@@ -26,6 +26,11 @@ Choices made where OpenAI leaves room or the engine differs:
   * `timeout` (seconds, an extra): the request's deadline; past it the request is aborted (408, or
     an error event mid-stream). Engine limits (README "Limits and failure behaviour") map to 400
     (too long, too many), 429 + Retry-After (overload), 503 + Retry-After (shutting down, unhealthy).
+  * LoRA adapters (engine started with enable_lora): `model` names the base model or a held adapter
+    (404 `model_not_found` for anything else); /v1/models lists both, adapters with `parent` the base.
+    `load_lora_adapter` / `unload_lora_adapter` (vLLM's routes and bodies) change the held adapters
+    at run time, only when the door allows it (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: reading
+    any path the server can see is not for every client), else 403.
   * `usage.completion_tokens` counts every generated token of the returned choices, the final
     EOS or stop token included; `prompt_tokens` is the tokenized prompt (chat: after the template).
 """
@@ -43,6 +48,7 @@ from typing import Any, AsyncIterator
 
 from pagedcore.adapters.tool_calls import ToolCallStream, ToolChoiceError, ToolRequest, parse_tool_calls, tool_request
 from pagedcore.limits import OverloadedError, RequestFailedError, RequestTimeoutError
+from pagedcore.lora.request import LoRARequest, UnknownLoRAError
 from pagedcore.outputs import CompletionOutput, OutputKind, RequestOutput
 from pagedcore.sampling_params import InvalidRequestError, SamplingParams
 
@@ -298,23 +304,57 @@ class _Choice:
 class OpenAIServing:
     """Completions, chat completions and models over one AsyncLLMEngine."""
 
-    def __init__(self, engine, model_name: str, aliases: tuple[str, ...] = ()):
+    def __init__(self, engine, model_name: str, aliases: tuple[str, ...] = (), allow_lora_updates: bool = False):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.accepted_names = {model_name, *aliases}
+        self.allow_lora_updates = allow_lora_updates
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
 
     def models(self) -> dict:
-        return {"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagedcore"}]}
+        base = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagedcore"}
+        loras = [{"id": a.name, "object": "model", "created": self.created, "owned_by": "pagedcore",
+                  "root": a.path, "parent": self.model_name} for a in self.engine.list_loras()]
+        return {"object": "list", "data": [base, *loras]}
+
+    # ---- LoRA adapters at run time (vLLM's routes) -------------------------------------------------
+    async def load_lora_adapter(self, body: Any) -> dict:
+        self._check_lora_updates(body, {"lora_name", "lora_path", "lora_int_id"})
+        name = _get(body, "lora_name", str, "a string")
+        path = _get(body, "lora_path", str, "a string")
+        int_id = _get(body, "lora_int_id", int, "an integer") or self.engine.engine.next_lora_int_id()
+        if not name or not path:
+            raise OpenAIError("'lora_name' and 'lora_path' are required", "lora_name" if not name else "lora_path")
+        if name in self.accepted_names:
+            raise OpenAIError(f"'lora_name' {name!r} is the base model's name", "lora_name")
+        try:  # reads the adapter's files: off the event loop
+            await asyncio.to_thread(self.engine.add_lora, LoRARequest(name, int_id, path))
+        except ValueError as e:  # LoRALoadError (an InvalidRequestError), or LoRARequest's own checks
+            raise OpenAIError(str(e), "lora_path") from e
+        return {"object": "lora_adapter", "id": name, "loaded": True}
+
+    async def unload_lora_adapter(self, body: Any) -> dict:
+        self._check_lora_updates(body, {"lora_name", "lora_int_id"})
+        name = _get(body, "lora_name", str, "a string")
+        if not self.engine.remove_lora(name or ""):
+            raise OpenAIError(f"LoRA adapter {name!r} is not loaded", "lora_name", status=404, code="model_not_found")
+        return {"object": "lora_adapter", "id": name, "loaded": False}
+
+    def _check_lora_updates(self, body: Any, fields: set[str]) -> None:
+        if not self.allow_lora_updates:
+            raise OpenAIError("loading and unloading LoRA adapters at run time is off on this server (start it "
+                              "with PAGEDCORE_ALLOW_RUNTIME_LORA_UPDATING=true)", status=403, type="permission_error")
+        if not self.engine.config.enable_lora:
+            raise OpenAIError("this server runs without LoRA (start it with PAGEDCORE_ENABLE_LORA=true)")
+        _check_fields(body, fields)
 
     # ---- endpoints --------------------------------------------------------------------------------
     async def completions(self, body: Any) -> dict | AsyncIterator[str]:
         _check_fields(body, COMPLETION_FIELDS)
         options = _request_options(body)
-        self._check_model(body)
+        model = self._check_model(body, options)
         _reject_unsupported(body)
         prompts = _completion_prompts(body)
         stream = _get(body, "stream", bool, "a boolean", False)
@@ -324,12 +364,12 @@ class OpenAIServing:
         params = _sampling_params(body, _get(body, "max_tokens", int, "an integer", 16), logprobs,
                                   {"structured_outputs": field}, structured)
         return await self._run("cmpl", "text_completion", prompts, params, stream, include_usage, chat=False,
-                               options=options, field=field)
+                               options=options, model=model, field=field)
 
     async def chat_completions(self, body: Any) -> dict | AsyncIterator[str]:
         _check_fields(body, CHAT_FIELDS)
         options = _request_options(body)
-        self._check_model(body)
+        model = self._check_model(body, options)
         _reject_unsupported(body)
         messages = _chat_messages(body)
         try:
@@ -353,7 +393,7 @@ class OpenAIServing:
         except Exception as e:  # the template itself refuses (e.g. role order)
             raise OpenAIError(f"the chat template rejected 'messages': {e}", "messages") from e
         return await self._run("chatcmpl", "chat.completion", [prompt], params, stream, include_usage, chat=True,
-                               options=options, field=field, tools=tools)
+                               options=options, model=model, field=field, tools=tools)
 
     def _chat_prompt(self, messages: list[dict], tools: ToolRequest | None) -> list[int]:
         """The template's token ids; with tools, rendered by the template or, where it ignores them, put in
@@ -368,16 +408,21 @@ class OpenAIServing:
         return render(tools.fallback_messages(messages))
 
     # ---- the engine side ----------------------------------------------------------------------------
-    def _check_model(self, body: dict) -> None:
+    def _check_model(self, body: dict, options: dict) -> str:
+        """The model name the response carries; an adapter's name sets options["lora_request"]."""
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise OpenAIError("'model' must be a string", "model")
-        if model is not None and model not in self.accepted_names:
-            raise OpenAIError(f"The model `{model}` does not exist. Available: {self.model_name}", "model",
-                              status=404, code="model_not_found")
+        if model is None or model in self.accepted_names:
+            return self.model_name
+        loras = [a.name for a in self.engine.list_loras()]
+        if model not in loras:
+            raise _model_not_found(model, [self.model_name, *loras])
+        options["lora_request"] = model
+        return model
 
     async def _run(self, prefix: str, obj: str, prompts: list, params: SamplingParams, stream: bool,
-                   include_usage: bool, chat: bool, options: dict, field: str = "structured_outputs",
+                   include_usage: bool, chat: bool, options: dict, model: str, field: str = "structured_outputs",
                    tools: ToolRequest | None = None) -> dict | AsyncIterator[str]:
         rid = f"{prefix}-{uuid.uuid4().hex}"
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
@@ -386,6 +431,9 @@ class OpenAIServing:
             # Start every request now: invalid input (e.g. a prompt over the context) raises here,
             # before a streamed response has begun.
             firsts = [await g.__anext__() for g in gens]
+        except UnknownLoRAError as e:  # unloaded since _check_model
+            await _close_all(gens)
+            raise _model_not_found(e.lora_name, [self.model_name, *(a.name for a in self.engine.list_loras())]) from e
         except InvalidRequestError as e:
             await _close_all(gens)
             param = ("messages" if chat else "prompt") if e.field == "prompt" else e.field
@@ -397,7 +445,8 @@ class OpenAIServing:
             _raise_engine_error(e)
             raise
         if stream:
-            return self._stream(rid, obj + ".chunk" if chat else obj, gens, firsts, params, include_usage, chat, tools)
+            return self._stream(rid, obj + ".chunk" if chat else obj, gens, firsts, params, include_usage, chat, model,
+                                tools)
         try:
             finals = [first if first.finished else await _last(g) for g, first in zip(gens, firsts)]
         except Exception as e:
@@ -405,10 +454,10 @@ class OpenAIServing:
             raise
         finally:
             await _close_all(gens)
-        return self._response(rid, obj, finals, params, chat, tools)
+        return self._response(rid, obj, finals, params, chat, model, tools)
 
     def _response(self, rid: str, obj: str, finals: list[RequestOutput], params: SamplingParams, chat: bool,
-                  tools: ToolRequest | None = None) -> dict:
+                  model: str, tools: ToolRequest | None = None) -> dict:
         choices = []
         for i, out in enumerate(finals):
             for c in out.outputs:
@@ -419,17 +468,18 @@ class OpenAIServing:
                     choices.append({"index": index, "message": message, "logprobs": lps, "finish_reason": finish})
                 else:
                     choices.append({"index": index, "text": c.text, "logprobs": lps, "finish_reason": _finish(c)})
-        return {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name,
+        return {"id": rid, "object": obj, "created": int(time.time()), "model": model,
                 "choices": choices, "usage": _usage(finals, sum(len(c.token_ids) for o in finals for c in o.outputs))}
 
     async def _stream(self, rid: str, obj: str, gens: list, firsts: list[RequestOutput], params: SamplingParams,
-                      include_usage: bool, chat: bool, tools: ToolRequest | None = None) -> AsyncIterator[str]:
+                      include_usage: bool, chat: bool, model: str, tools: ToolRequest | None = None
+                      ) -> AsyncIterator[str]:
         created = int(time.time())
         choices: dict[int, _Choice] = {}
         prompt_outputs: dict[int, RequestOutput] = {}
 
         def chunk(choice_list: list[dict], usage: dict | None = None) -> str:
-            out = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choice_list}
+            out = {"id": rid, "object": obj, "created": created, "model": model, "choices": choice_list}
             if include_usage:
                 out["usage"] = usage
             return sse(out)
@@ -526,6 +576,11 @@ def _delta(st: _Choice, text: str, tools: ToolRequest | None) -> dict:
     if st.tool_stream is None:
         st.tool_stream = ToolCallStream(tools)
     return st.tool_stream.feed(text, st.finish_reason is not None)
+
+
+def _model_not_found(name: str, available: list[str]) -> OpenAIError:
+    return OpenAIError(f"The model `{name}` does not exist. Available: {', '.join(available)}", "model",
+                       status=404, code="model_not_found")
 
 
 def _finish(c: CompletionOutput) -> str | None:

@@ -128,14 +128,29 @@ def _post(summary: str, body: dict) -> dict:
                      "responses": _responses("the completion, or an SSE stream of chunks when stream is true")}}
 
 
+def _lora_route(summary: str, required: list[str]) -> dict:
+    body = {"type": "object", "required": required, "additionalProperties": False,
+            "properties": {"lora_name": {**_STR, "minLength": 1}, "lora_path": {**_STR, "minLength": 1},
+                           "lora_int_id": _nullable(_INT)}}
+    error = {"content": {"application/json": {"schema": _ERROR}}}
+    route = _post(summary, body)
+    route["post"]["responses"] = {"200": {"description": "done"},
+                                  "400": {"description": "a bad adapter (the message says why)", **error},
+                                  "403": {"description": "run-time LoRA updates are off on this server", **error},
+                                  "404": {"description": "unload: no adapter of that name", **error}}
+    return route
+
+
 def openapi_document() -> dict:
     return {
         "openapi": "3.0.3",
         "info": {"title": "pagedcore OpenAI-compatible API", "version": "1"},
         "servers": [{"url": "/v1"}],  # where the door mounts the routes
         "paths": {
-            "/models": {"get": {"summary": "the served model", "responses": {"200": {"description": "models"}}}},
+            "/models": {"get": {"summary": "the served model and its LoRA adapters", "responses": {"200": {"description": "models"}}}},
             "/completions": _post("text completion", _COMPLETION),
             "/chat/completions": _post("chat completion", _CHAT),
+            "/load_lora_adapter": _lora_route("load a PEFT LoRA adapter (vLLM's route; opt-in)", ["lora_name", "lora_path"]),
+            "/unload_lora_adapter": _lora_route("unload a LoRA adapter (vLLM's route; opt-in)", ["lora_name"]),
         },
     }

@@ -9,7 +9,8 @@ and outputs back into tensors.
 
 Inputs: text_input (string), stream, exclude_input_in_output, return_num_input_tokens,
 return_num_output_tokens (bool), sampling_parameters (JSON of SamplingParams, plus vLLM's request
-extras `priority` and `cache_salt`).
+extras `priority` and `cache_salt`), lora_name (string: a LoRA adapter the engine holds, as in the
+vLLM backend; adapters are named in model.json's `lora_modules` with `enable_lora: true`).
 Outputs: text_output, finish_reason (final response), num_input_tokens, num_output_tokens.
 Metrics: the engine's pagedcore:* gauges, counters and histograms (pagedcore/metrics.py, the same
 names as the BentoML door) on Triton's /metrics through the Python backend's custom metrics API
@@ -70,6 +71,7 @@ class GenerateRequest:
     timeout: float | None = None  # seconds: the request's Triton timeout (`timeout` in the client call)
     priority: int = 0  # vLLM's request extras, read from sampling_parameters beside the sampling fields
     cache_salt: str | None = None
+    lora_name: str | None = None  # None or "": the base model
 
 
 def _scalar(request, name: str):
@@ -118,9 +120,10 @@ def parse_request(request, load_json=json.loads) -> GenerateRequest:
         raise InvalidRequestError("exclude_input_in_output: false is not supported with stream=true",
                                   "exclude_input_in_output")
     timeout_us = request.timeout()  # 0: none
+    lora_name = _scalar(request, "lora_name")
     return GenerateRequest(_text(text), params, stream, prepend, bool(_flag(request, "return_num_input_tokens")),
                            bool(_flag(request, "return_num_output_tokens")), timeout_us / 1e6 if timeout_us else None,
-                           **extras)
+                           **extras, lora_name=None if lora_name is None else _text(lora_name, "lora_name") or None)
 
 
 def error_message(e: InvalidRequestError) -> str:
@@ -128,6 +131,8 @@ def error_message(e: InvalidRequestError) -> str:
     msg = str(e)
     if e.field in ("text_input", "sampling_parameters", "exclude_input_in_output") and msg.startswith(e.field):
         return msg  # raised above, already named
+    if e.field == "lora_request":
+        return f"lora_name: {msg}"
     if e.field == "sampling_parameters":
         return f"sampling_parameters: {msg}"
     if e.field in ("prompt", "text_input"):
@@ -238,7 +243,8 @@ class TritonPythonModel:
             kind = OutputKind.DELTA if r.stream else OutputKind.CUMULATIVE  # CUMULATIVE: the last one holds it all
             # aclosing: leaving the loop early closes the stream at once, which aborts the engine request.
             async with aclosing(self.engine.generate(r.prompt, r.sampling_params, output_kind=kind, timeout=r.timeout,
-                                                     priority=r.priority, cache_salt=r.cache_salt)) as outputs:
+                                                     priority=r.priority, cache_salt=r.cache_salt,
+                                                     lora_request=r.lora_name)) as outputs:
                 async for out in outputs:
                     if request.is_cancelled():
                         sender.send(error_response("request cancelled", pb_utils.TritonError.CANCELLED), flags=FINAL)

@@ -94,6 +94,17 @@ def compile_all(arch: int = 90, quick: bool = False) -> list[dict]:
                   dict(BLOCK_SIZE=16, BLOCK_H=4, BLOCK_D=128, QUANT={"": 0, "int8": 1, "fp8_e4m3": 2}[kv_name]), 4)
         build(f"copy_blocks {tname}", block_copy._copy_blocks_kernel, dict(cache_ptrs="*i64", pairs_ptr="*i64"),
               dict(DTYPE={"fp32": tl.float32, "fp16": tl.float16, "bf16": tl.bfloat16}[tname], CHUNK=block_copy.COPY_CHUNK), 4)
+    from pagedcore.kernels import lora_bgmv
+
+    for tname in dtypes:
+        ptr = "*" + tname
+        for rank in (8, 64, 128):  # max_lora_rank: small, large, the largest tile
+            build(f"bgmv_shrink {tname} r={rank}", lora_bgmv._bgmv_shrink_kernel,
+                  dict(x_ptr=ptr, a_ptr=ptr, slots_ptr="*i64", h_ptr="*fp32"),
+                  dict(RANK=rank, BLOCK_R=rank, BLOCK_K=lora_bgmv.shrink_block_k(rank)), 4)
+            build(f"bgmv_expand {tname} r={rank}", lora_bgmv._bgmv_expand_kernel,
+                  dict(h_ptr="*fp32", b_ptr=ptr, slots_ptr="*i64", y_ptr=ptr),
+                  dict(RANK=rank, BLOCK_R=rank, BLOCK_N=lora_bgmv.expand_block_n(rank)), 4)
     build("copy_blocks uint8 (quantized KV blocks)", block_copy._copy_blocks_kernel,
           dict(cache_ptrs="*i64", pairs_ptr="*i64"), dict(DTYPE=tl.uint8, CHUNK=block_copy.COPY_CHUNK), 4)
     return results

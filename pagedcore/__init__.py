@@ -12,7 +12,7 @@ from pagedcore.outputs import CompletionOutput, Logprob, OutputKind, RequestOutp
 from pagedcore.sampling_params import InvalidRequestError, SamplingParams
 
 __all__ = [
-    "LLM", "LLMEngine", "AsyncLLMEngine", "EngineConfig", "SamplingParams", "InvalidRequestError",
+    "LLM", "LLMEngine", "AsyncLLMEngine", "LoRARequest", "EngineConfig", "SamplingParams", "InvalidRequestError",
     "RequestOutput", "CompletionOutput", "Logprob", "OutputKind", "hookimpl",
     "LimitExceededError", "OverloadedError", "EngineDeadError", "RequestTimeoutError", "RequestFailedError",
 ]
@@ -40,7 +40,8 @@ def gc_paused():
 
 
 # The engine classes import torch and transformers: load them only when asked for.
-_LAZY = {"LLM": "pagedcore.llm", "LLMEngine": "pagedcore.llm_engine", "AsyncLLMEngine": "pagedcore.async_engine"}
+_LAZY = {"LLM": "pagedcore.llm", "LLMEngine": "pagedcore.llm_engine", "AsyncLLMEngine": "pagedcore.async_engine",
+         "LoRARequest": "pagedcore.lora.request"}
 
 
 def __getattr__(name):

@@ -99,14 +99,26 @@ class AsyncLLMEngine:
         """Readiness: admitting requests, its thread alive, and not marked unhealthy by failed steps."""
         return self._accepting and self._thread.is_alive() and self.engine.healthy
 
+    # ---- LoRA adapters: the registry has its own lock, so these run in the caller's thread ----
+    def add_lora(self, lora_request) -> bool:
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_name: str) -> bool:
+        return self.engine.remove_lora(lora_name)
+
+    def list_loras(self) -> list:
+        return self.engine.list_loras()
+
     async def generate(self, prompt, sampling_params=None, request_id: str | None = None,
                        output_kind: OutputKind = OutputKind.DELTA, timeout: float | None = None,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, cache_salt: str | None = None,
+                       lora_request=None) -> AsyncIterator[RequestOutput]:
         """Yield outputs as tokens arrive (deltas by default). Invalid input raises
         `InvalidRequestError`, overload `OverloadedError`, before anything is queued; leaving the
         loop early aborts the request. `timeout`: seconds to the request's deadline
         (`RequestTimeoutError` past it); a failed step raises `RequestFailedError`. `priority` and
-        `cache_salt` as in `LLMEngine.add_request`."""
+        `cache_salt` as in `LLMEngine.add_request`; `lora_request`: a LoRARequest (its adapter is loaded
+        here, before queuing: an unknown or bad one raises InvalidRequestError)."""
         if not self._accepting:
             e = EngineDeadError("the engine is shut down" if self._stopped else "the engine is shutting down")
             self.engine.reject(e)
@@ -114,13 +126,14 @@ class AsyncLLMEngine:
         processed = self.engine.process_prompt(prompt, sampling_params)  # pure: no lock needed
         await self._check_grammar(processed.params)
         self.engine.check_request_options(priority, cache_salt)  # reads config only
+        lora = self.engine.resolve_lora(lora_request)  # the adapter registry has its own lock
         request_id = request_id or f"async-{next(self._ids)}"
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         self.engine.check_capacity(len(self._streams))  # counts requests queued but not yet added
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, processed, output_kind, timeout, priority, cache_salt))
+        self._commands.put(("add", request_id, processed, output_kind, timeout, priority, cache_salt, lora))
         finished = False
         try:
             while not finished:
@@ -231,13 +244,13 @@ class AsyncLLMEngine:
     def _apply(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, request_id, processed, output_kind, timeout, priority, cache_salt = cmd
+            _, request_id, processed, output_kind, timeout, priority, cache_salt, lora = cmd
             stream = self._streams.get(request_id)
             if stream is None:  # aborted before it was queued
                 return
             try:
                 self.engine.add_request(request_id, processed, output_kind=output_kind, timeout=timeout,
-                                        priority=priority, cache_salt=cache_salt)
+                                        priority=priority, cache_salt=cache_salt, lora_request=lora)
             except Exception as e:
                 self._streams.pop(request_id, None)
                 stream.put(e)

@@ -47,7 +47,7 @@ def cmd_generate(args) -> int:
     use_chat = not args.no_chat and getattr(tok, "chat_template", None)
     inputs = [llm.apply_chat_template([{"role": "user", "content": p}]) if use_chat else p for p in prompts]
     t1 = time.perf_counter()
-    outputs = llm.generate(inputs, params)
+    outputs = llm.generate(inputs, params, lora_request=args.lora)  # a name among --lora-modules, or None
     gen_s = time.perf_counter() - t1
     n_tokens = sum(len(o.token_ids) for r in outputs for o in r.outputs)
     for prompt, r in zip(prompts, outputs):
@@ -98,6 +98,8 @@ def add_generate_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("-n", type=int, default=1, help="outputs per prompt (default 1)")
     g.add_argument("--stop", action="append", help="stop at this string (repeat for several)")
     g.add_argument("--no-chat", action="store_true", help="send prompts raw, without the chat template")
+    g.add_argument("--lora", default=None, metavar="NAME",
+                   help="run the prompts under this LoRA adapter (one of --lora-modules; needs --enable-lora)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     _add_engine_args(g)
     g.set_defaults(func=cmd_generate)

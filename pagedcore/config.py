@@ -50,6 +50,16 @@ class EngineConfig:
     speculative_config: dict | None = None
     # Constrained decoding (SamplingParams.structured_outputs): "xgrammar" | "llguidance" | a plugin's
     structured_outputs_backend: str = "xgrammar"
+    # ---- LoRA adapters (README "LoRA adapters"; pagedcore/lora/; vLLM's names) ----
+
+    # Serve PEFT LoRA adapters per request over the base model; requests of different adapters and of the
+    # base model share one batch. Off: no layer is wrapped and requests naming an adapter are refused
+    enable_lora: bool = False
+    max_loras: int = 4  # adapters in one batch at most (their device slots); requests of others wait
+    max_lora_rank: int = 16  # the largest adapter rank served (slot buffers are padded to it)
+    # Adapters loaded at start, name -> PEFT directory (JSON on the command line: '{"sql": "/adapters/sql"}');
+    # their lora_int_id is their position, from 1
+    lora_modules: dict | None = None
     # ---- tensor parallelism (README "Tensor parallelism"; pagedcore/distributed/) ----
 
     # Ranks the model is sharded over by its Hugging Face tensor-parallel plan (column-parallel q/k/v/gate/up,
@@ -122,10 +132,26 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.compile:
             raise ValueError("compile=True does not run with tensor_parallel_size > 1 (the captured forward has no "
                              "collectives): leave compile unset or False")
+        if self.enable_lora:
+            self._check_lora()
+        elif self.lora_modules:
+            raise ValueError("lora_modules needs enable_lora=True")
         if self.speculative_config is not None:
             from pagedcore.spec_decode.config import SpeculativeConfig
 
             SpeculativeConfig.from_dict(self.speculative_config)  # a bad one fails here, with its reason
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and {self.max_lora_rank}")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora does not run with tensor_parallel_size > 1 (adapter weights are not sharded)")
+        if self.compile:
+            raise ValueError("enable_lora does not run with compile=True (the captured forward holds no adapter "
+                             "products): leave compile unset or False")
+        if self.lora_modules is not None and not all(isinstance(k, str) and isinstance(v, str)
+                                                     for k, v in self.lora_modules.items()):
+            raise ValueError("lora_modules must map adapter names to PEFT directories (strings)")
 
     def torch_device(self) -> torch.device:
         import torch
@@ -137,6 +163,8 @@ class EngineConfig:
     def use_compile(self, device: torch.device) -> bool:
         if self.tensor_parallel_size > 1:
             return False  # the captured graph would hold no all-reduce (README "Tensor parallelism")
+        if self.enable_lora:
+            return False  # adapters run eagerly (README "LoRA adapters")
         return device.type == "cuda" if self.compile is None else self.compile
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:

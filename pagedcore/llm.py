@@ -36,22 +36,24 @@ class LLM:
         return self.worker.tokenizer if self.worker is not None else self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Seq[int] | None = None,
+                 lora_request=None) -> list[RequestOutput]:
         """One output per prompt, in prompt order. A prompt is a string or a list of token ids;
         `priority` (one per prompt) needs `scheduling_policy="priority"`. Under torchrun
         (external_launcher) every rank makes the same calls: rank 0's returns the outputs, the other
-        ranks' run rank 0's steps on their shards and return []."""
+        ranks' run rank 0's steps on their shards and return []. `lora_request`: a LoRARequest for
+        every prompt, or a list of them (None entries: the base model); needs `enable_lora=True`."""
         if self.worker is not None:
             self.worker.serve()
             return []
         try:
-            return self._generate(prompts, sampling_params, use_tqdm, priority)
+            return self._generate(prompts, sampling_params, use_tqdm, priority, lora_request)
         finally:
             executor = getattr(self.engine, "executor", None)
             if executor is not None:
                 executor.end_call()  # external_launcher: the other ranks' call returns
 
-    def _generate(self, prompts, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
+    def _generate(self, prompts, sampling_params, use_tqdm, priority, lora_request=None) -> list[RequestOutput]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
@@ -61,14 +63,19 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
         processed = [self.engine.process_prompt(p, sp) for p, sp in zip(prompts, params)]
         grammars = [self.engine.compile_grammar(p.params) for p in processed]  # all compile at once
         for future in filter(None, grammars):
             future.result()  # a bad schema, regex or grammar: InvalidRequestError, nothing queued
+        loras = [self.engine.resolve_lora(lr) for lr in loras]  # a bad adapter fails before anything is queued
         ids = []
         try:
-            for p, prio in zip(processed, priority):
-                ids.append(self.engine.add_request(None, p, output_kind=OutputKind.FINAL_ONLY, priority=prio))
+            for p, prio, lora in zip(processed, priority, loras):
+                ids.append(self.engine.add_request(None, p, output_kind=OutputKind.FINAL_ONLY, priority=prio,
+                                                   lora_request=lora))
         except BaseException:
             self.engine.abort_request(ids)  # a bad priority fails the call with nothing left queued
             raise

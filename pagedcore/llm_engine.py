@@ -127,6 +127,7 @@ class LLMEngine:
         self.num_step_failures = 0
         self.consecutive_step_failures = 0
         self._healthy = True  # False after max_consecutive_step_failures failed steps in a row
+        self._load_lora_modules()
         logger.info("pagedcore engine ready: %s, %s, %s backend; KV cache %d blocks = %d tokens",
                     self.device, self.dtype, backend.name, self.kv.num_blocks, self.kv.num_blocks * self.config.block_size)
 
@@ -245,18 +246,23 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | ProcessedPrompt,
                     params: SamplingParams | dict | None = None, *, output_kind: OutputKind = OutputKind.CUMULATIVE,
-                    priority: int = 0, cache_salt: str | None = None, timeout: float | None = None) -> str:
+                    priority: int = 0, cache_salt: str | None = None, timeout: float | None = None,
+                    lora_request=None) -> str:
         """Queue a request. `priority` orders admission under the "priority" scheduling policy (lower
         first, vLLM's convention); `cache_salt` keeps its prompt's cached blocks apart from those of
         requests with another salt (prefix reuse only within one tenant); `timeout`: seconds from now to
-        the request's deadline (request_timeout, if shorter, wins)."""
+        the request's deadline (request_timeout, if shorter, wins); `lora_request` (a LoRARequest, or
+        the LoRAModel `resolve_lora` returned): the adapter it runs under (None: the base model)."""
         p = prompt if isinstance(prompt, ProcessedPrompt) else self.process_prompt(prompt, params)
         request_id = str(next(self._request_counter)) if request_id is None else request_id
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         self.check_request_options(priority, cache_salt)
+        lora = self.resolve_lora(lora_request)
         self.check_capacity(len(self.requests))
         params = p.params
+        # The adapter changes every layer's K/V: its identity goes into the block hashes, like a salt.
+        salt = cache_salt if lora is None else (cache_salt, lora.cache_key)
         if (params.best_of or params.n) > params.n or params.use_beam_search:
             output_kind = OutputKind.FINAL_ONLY  # the best n are known only at the end
         state = RequestState(request_id, p.prompt, p.prompt_token_ids, params, output_kind)
@@ -266,7 +272,7 @@ class LLMEngine:
         for i in range(num_seqs):
             seq = Sequence(next(self._seq_counter), request_id, i, p.prompt_token_ids, params,
                            self._max_total_tokens(), arrival_time=state.metrics.arrival_time, priority=priority,
-                           generator=self._generator(params, i), cache_salt=cache_salt)
+                           generator=self._generator(params, i), cache_salt=salt, lora=lora)
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, p.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
@@ -283,6 +289,57 @@ class LLMEngine:
                 seq.waiting_for_grammar = True
         self._event("added", request_id, None, {"num_prompt_tokens": len(p.prompt_token_ids)})
         return request_id
+
+    # ---- LoRA adapters (pagedcore/lora/; vLLM's method names) ----------------------------------------
+    @property
+    def lora_manager(self):
+        return self.runner.lora_manager
+
+    def add_lora(self, lora_request) -> bool:
+        """Load a PEFT adapter into CPU memory (from any thread); True once it is held. A bad one raises
+        LoRALoadError (an InvalidRequestError) naming what is and is not supported."""
+        return self.resolve_lora(lora_request) is not None
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Forget an adapter: new requests cannot name it, running ones finish; False if it was not held."""
+        return self.lora_manager is not None and self.lora_manager.remove_lora(lora_name)
+
+    def list_loras(self) -> list:
+        """The held adapters (LoRAModel: name, int_id, path, rank)."""
+        return [] if self.lora_manager is None else self.lora_manager.list_loras()
+
+    def resolve_lora(self, lora_request):
+        """The LoRAModel a request runs under (None: the base model). A LoRARequest's adapter is loaded
+        on first use from its path and found by name after; a plain name (the doors') must be held.
+        Unknown names raise UnknownLoRAError."""
+        from pagedcore.lora.peft_adapter import LoRAModel
+        from pagedcore.lora.request import LoRARequest, UnknownLoRAError
+
+        if lora_request is None or isinstance(lora_request, LoRAModel):
+            return lora_request
+        if not isinstance(lora_request, (LoRARequest, str)):
+            raise InvalidRequestError(f"lora_request must be a LoRARequest or an adapter name, got "
+                                      f"{type(lora_request).__name__}", "lora_request")
+        name = lora_request if isinstance(lora_request, str) else lora_request.lora_name
+        if self.lora_manager is None:
+            raise InvalidRequestError(f"LoRA adapter {name!r} requested, but the engine runs without LoRA (start "
+                                      "it with enable_lora=True)", "lora_request")
+        if isinstance(lora_request, str):
+            lora = self.lora_manager.get(name)
+            if lora is None:
+                raise UnknownLoRAError(name, [a.name for a in self.list_loras()])
+            return lora
+        return self.lora_manager.add_lora(lora_request)
+
+    def next_lora_int_id(self) -> int:
+        """An id no held adapter uses (for adapters loaded by name and path alone, e.g. through a door)."""
+        return max((a.int_id for a in self.list_loras()), default=0) + 1
+
+    def _load_lora_modules(self) -> None:
+        for i, (name, path) in enumerate((self.config.lora_modules or {}).items(), start=1):
+            from pagedcore.lora.request import LoRARequest
+
+            self.add_lora(LoRARequest(name, i, path))
 
     def abort_request(self, request_ids: str | list[str], reason: str = "client") -> None:
         """End requests now and free their blocks; `reason` (limits.ABORT_REASONS) is counted."""
@@ -558,7 +615,8 @@ class LLMEngine:
         def fork(parent: Sequence) -> Sequence:
             child = Sequence(next(self._seq_counter), parent.request_id, parent.index, parent.prompt_token_ids,
                              parent.params, parent.max_total_tokens, arrival_time=parent.arrival_time,
-                             priority=parent.priority, cache_salt=parent.cache_salt, token_ids=list(parent.token_ids))
+                             priority=parent.priority, cache_salt=parent.cache_salt, lora=parent.lora,
+                             token_ids=list(parent.token_ids))
             parents[child.seq_id] = parent
             return child
 

@@ -80,6 +80,11 @@ class ModelRunner:
         if config.pack_weights:
             logger.info("packed linears: %d", packed_linear.install(model, device))
             logger.info("fused projections: %d", fused_projections.install(model, device))
+        self.lora_manager = None
+        if config.enable_lora:  # after the packed linears: the LoRA layers wrap whatever forward the base runs
+            from pagedcore.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(model, config.max_loras, config.max_lora_rank, device, dtype)
         self.captured = None
         if config.use_compile(device):
             from pagedcore.capture import CapturedForward
@@ -172,6 +177,13 @@ class ModelRunner:
         )
         return ModelInput(b.input_ids.to(dev), b.positions.to(dev), metadata, b.logits_indices.to(dev), b.sample_rows)
 
+    def _lora_mapping(self, sched: SchedulerOutput):
+        """Each token's adapter slot for this step; None when no scheduled sequence uses an adapter."""
+        if self.lora_manager is None:
+            return None
+        return self.lora_manager.prepare([seq.lora for seq, _ in sched.scheduled], [n for _, n in sched.scheduled],
+                                         self.device)
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[int], torch.Tensor]:
         """Run one step; return the scheduled rows that sample and their logits [rows, vocab]."""
@@ -185,7 +197,8 @@ class ModelRunner:
             self.backend.copy_blocks(self.kv_caches, torch.tensor(src, device=self.device),
                                      torch.tensor(dst, device=self.device))
         inp = self.prepare(sched)
-        ctx = hf_glue.ForwardContext(self.backend, self.backend.build_metadata(inp.metadata), self.kv_caches)
+        ctx = hf_glue.ForwardContext(self.backend, self.backend.build_metadata(inp.metadata), self.kv_caches,
+                                     self._lora_mapping(sched))
         with hf_glue.forward_context(ctx):
             if self.captured is not None:
                 return inp.sample_rows, self.captured(inp.input_ids, inp.positions, inp.logits_indices)

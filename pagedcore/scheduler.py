@@ -147,6 +147,8 @@ class Scheduler:
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
+            if not self._lora_fits(seq):
+                break
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.kv.can_swap_in(seq, num_new):
                 break
@@ -159,10 +161,17 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        i = 0  # sequences whose grammar still compiles are stepped over, not waited for
+        i, lora_blocked = 0, False  # sequences whose grammar still compiles are stepped over, not waited for
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[i]
             if seq.waiting_for_grammar:
+                i += 1
+                continue
+            if seq.lora is not None and (lora_blocked or not self._lora_fits(seq)):
+                # Its adapter needs a slot that running adapters hold: it waits, and so do later
+                # requests of adapters (running adapters drain, so it cannot starve); base-model
+                # requests behind it go on.
+                lora_blocked = True
                 i += 1
                 continue
             num_new = self.kv.allocate_new_sequence(seq, budget, self.config.enable_chunked_prefill)
@@ -171,6 +180,14 @@ class Scheduler:
             del self.waiting[i]
             self._start_running(seq, num_new, out)
             budget -= num_new
+
+    def _lora_fits(self, seq: Sequence) -> bool:
+        """Whether `seq` may join the running batch: its adapter is already running, or fewer than
+        max_loras adapters are."""
+        if seq.lora is None:
+            return True
+        running = {s.lora_uid for s in self.running if s.lora is not None}
+        return seq.lora_uid in running or len(running) < self.config.max_loras
 
     def _start_running(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
         seq.status = SequenceStatus.RUNNING

@@ -47,6 +47,7 @@ class Sequence:
     num_published_blocks: int = 0  # full blocks already offered to the prefix cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     cache_salt: object = None  # hashed into its blocks: a request's salt (tenant), or anything else that changes the KV
+    lora: object = None  # the LoRAModel (lora/peft_adapter.py) its tokens run under; None: the base model
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] | None = None
     num_preemptions: int = 0
@@ -66,6 +67,10 @@ class Sequence:
             self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+
+    @property
+    def lora_uid(self) -> int | None:
+        return None if self.lora is None else self.lora.uid
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -29,6 +29,7 @@ class ForwardContext:
     backend: Any
     metadata: Any
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    lora_mapping: Any = None  # lora/punica.py's LoRAMapping when a token of the step runs under an adapter
 
 
 _context: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("pagedcore_forward_context",
