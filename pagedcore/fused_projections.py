@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedcore import installs, quantization
+from pagedcore import installs, packed_linear, quantization
 from pagedcore.kernels import cpu_ext
 from pagedcore.quantization import Int4Linear
 
@@ -28,7 +28,7 @@ from pagedcore.quantization import Int4Linear
 FUSED_ROWS = 8
 GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
 _ATTR = "_pagedcore_fused"
-PANEL = 16
+PANEL = packed_linear.PANEL
 
 
 @dataclass

@@ -27,6 +27,10 @@ def track(model: torch.nn.Module) -> None:
     model.__dict__.setdefault(_UNDO_ATTR, [])
 
 
+def is_tracked(model: torch.nn.Module) -> bool:
+    return _UNDO_ATTR in model.__dict__
+
+
 def record(model: torch.nn.Module, undo: Undo) -> None:
     """Remember how to undo one install on `model`, if it is tracked."""
     undos = model.__dict__.get(_UNDO_ATTR)

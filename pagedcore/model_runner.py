@@ -80,6 +80,8 @@ class ModelRunner:
         if config.pack_weights:
             logger.info("packed linears: %d", packed_linear.install(model, device))
             logger.info("fused projections: %d", fused_projections.install(model, device))
+            if config.tensor_parallel_size == 1:  # (sharding re-slices dense weights)
+                logger.info("dense weights released: %d", packed_linear.release_dense(model))
         self.lora_manager = None
         if config.enable_lora:  # after the packed linears: the LoRA layers wrap whatever forward the base runs
             from pagedcore.lora.manager import LoRAManager

@@ -21,6 +21,9 @@ from pagedcore import installs
 from pagedcore.kernels import cpu_ext
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+PANEL = 16  # output columns per packed panel (kernels/csrc/cpu_gemm.cpp)
+# The panel slot of each column in a bf16 panel (cpu_gemm.cpp's BF16_ORDER; fp32 panels are in order).
+BF16_SLOTS = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
 
 
 def install(model: nn.Module, device: torch.device) -> int:
@@ -34,6 +37,40 @@ def install(model: nn.Module, device: torch.device) -> int:
              and module.weight.device.type == "cpu" and not hasattr(module, "_pagedcore_packed")]
     installs.record(model, installs.undo_all(undos))
     return len(undos)
+
+
+def release_dense(model: nn.Module) -> int:
+    """Drop the dense weight of every packed linear of a model the engine owns: the packed copy is what
+    runs, so keeping both doubled resident weight memory. A tied input embedding (one Parameter with an
+    LM head) then looks its rows up in the head's panels: the same values, one copy. Nothing happens on
+    a lent (tracked) model, which must come back as it was; returns how many weights were dropped."""
+    if installs.is_tracked(model):
+        return 0
+    embeddings = {id(m.weight): m for m in model.modules() if type(m) is nn.Embedding and m.max_norm is None}
+    count = 0
+    for module in list(model.modules()):
+        if getattr(module, "_pagedcore_packed", None) is None or module.weight.numel() == 0:
+            continue
+        embedding = embeddings.get(id(module.weight))
+        empty = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+        if embedding is not None:
+            installs.set_forward(embedding, _panel_lookup(module))
+            embedding.weight = empty
+        module.weight = empty
+        count += 1
+    return count
+
+
+def _panel_lookup(linear: nn.Linear):
+    """Embedding rows from a packed [ceil(N / 16), K, 16] weight: row n is panel n // 16, in the slot of
+    column n % 16."""
+    packed = linear._pagedcore_packed
+    slots = torch.tensor(BF16_SLOTS if packed.dtype == torch.bfloat16 else range(PANEL))
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        return linear._pagedcore_packed[ids // PANEL, :, slots[ids % PANEL]]
+
+    return forward
 
 
 def restore(model: nn.Module) -> int:
@@ -58,6 +95,9 @@ def _patch(ext, module: nn.Linear) -> installs.Undo:
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if x.dtype != dtype or x.device.type != "cpu" or x.requires_grad:
+            if module.weight.numel() == 0:
+                raise RuntimeError(f"this linear keeps only its packed {dtype} CPU weight (release_dense): "
+                                   f"input {x.dtype} on {x.device}, requires_grad={x.requires_grad}")
             return original(module, x)
         # Looked up per call: fused_projections.py may re-point it at a slice of a fused weight.
         return ext.packed_linear(x, module._pagedcore_packed, out_features, bias)

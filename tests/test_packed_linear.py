@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedcore import LLM, SamplingParams, packed_linear
+from pagedcore import LLM, SamplingParams, installs, packed_linear
 
 # Row counts cover every micro-kernel tile height (1-6), a cache block boundary (96) and more.
 ROWS = [1, 2, 3, 4, 5, 6, 7, 13, 97, 200]
@@ -230,3 +230,71 @@ def test_int4_int8_activations_nan_and_inf_reach_the_output(ext):
     assert y[0].isfinite().all() and y[1].isnan().all() and y[2].isnan().all()
     zero = ext.packed_linear_int4(torch.zeros(1, 64), packed, scale_min, 32, 32, None, int8_rows=4)
     assert torch.equal(zero, torch.zeros(1, 32))
+
+
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory, smollm2_tokenizer):
+    """A tiny Llama whose LM head is its input embedding (as the bundled SmolLM2's)."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_config
+
+    config = tiny_config("llama")
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    d = tmp_path_factory.mktemp("tiny-tied")
+    model.save_pretrained(d)
+    smollm2_tokenizer.save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_released_dense_weights_same_tokens_half_the_bytes(ext, tied_model_dir, dtype):
+    """An engine's own model keeps only the packed copies; the tied embedding reads the packed head."""
+    from pagedcore.bench import memory
+
+    prompts = [[5 + i for i in range(n)] for n in (3, 20, 41)]
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=2)
+    runs, bytes_ = {}, {}
+    for pack in (True, False):
+        llm = LLM(str(tied_model_dir), dtype=dtype, num_kv_blocks=64, pack_weights=pack)
+        model = llm.engine.model
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert all((m.weight.numel() == 0) == pack for m in linears)
+        assert ("forward" in vars(model.model.embed_tokens)) == pack
+        runs[pack] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        bytes_[pack] = memory.weight_bytes("", model).total
+    # One copy of every weight either way (packed or dense): the same bytes, up to panel padding.
+    assert bytes_[True] == pytest.approx(bytes_[False], rel=0.01)
+    tol = 1e-4 if dtype == "float32" else 0.1
+    for a, b in zip(runs[True], runs[False]):
+        assert a.token_ids == b.token_ids
+        for tok, sa, sb in zip(a.token_ids, a.logprobs, b.logprobs):
+            assert abs(sa[tok].logprob - sb[tok].logprob) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panel_lookup_equals_the_embedding(ext, dtype):
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(40, 24, dtype=dtype)  # 40 rows: the last panel half full
+    model.head = torch.nn.Linear(24, 40, bias=False, dtype=dtype)
+    model.head.weight = model.embed.weight
+    ids = torch.tensor([[0, 15, 16, 39], [7, 7, 31, 32]])
+    want = model.embed(ids)
+    packed_linear.install(model, torch.device("cpu"))
+    assert packed_linear.release_dense(model) == 1
+    assert model.embed.weight.numel() == 0 and model.head.weight.numel() == 0
+    with torch.inference_mode():
+        torch.testing.assert_close(model.embed(ids), want, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match=f"keeps only its packed {dtype} CPU weight"):
+        model.head(torch.randn(2, 24, dtype=torch.float64))
+
+
+def test_a_lent_model_keeps_its_dense_weights(ext):
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32))
+    installs.track(model)
+    packed_linear.install(model, torch.device("cpu"))
+    assert packed_linear.release_dense(model) == 0 and model[0].weight.numel() == 16 * 32

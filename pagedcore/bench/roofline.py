@@ -77,21 +77,25 @@ def read_bandwidth_gbs(seconds: float = 0.5, mib: int = 512) -> float:
 
 
 def weight_bytes(model) -> int:
-    """Bytes of the model's parameters, each storage once (a tied embedding/LM head counts once)."""
+    """Bytes of the model's weights, each storage once (a tied embedding/LM head counts once); a linear
+    whose dense weight was released (packed_linear.release_dense) counts its packed copy."""
     seen: dict[tuple[int, int], int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         seen[(p.data_ptr(), p.nbytes)] = p.nbytes
+    for m in model.modules():
+        packed = getattr(m, "_pagedcore_packed", None)
+        if packed is not None and m.weight.numel() == 0:
+            seen[(packed.data_ptr(), packed.nbytes)] = packed.nbytes
     return sum(seen.values())
 
 
 def model_flops(model) -> tuple[float, float]:
-    """(FLOPs per token through the decoder's weights, FLOPs per token of the LM head)."""
-    head = model.get_output_embeddings().weight
-    embed = model.get_input_embeddings().weight
-    decoder = sum(p.numel() for p in model.parameters()) - embed.numel()
-    if head.data_ptr() != embed.data_ptr():  # untied head is counted separately below
-        decoder -= head.numel()
-    return 2.0 * decoder, 2.0 * head.numel()
+    """(FLOPs per token through the decoder's linears, FLOPs per token of the LM head), from the layers'
+    shapes (their weights may be packed, quantized or released)."""
+    head = model.get_output_embeddings()
+    linears = [m for m in model.modules() if m is not head and hasattr(m, "in_features") and hasattr(m, "out_features")]
+    decoder = sum(m.in_features * m.out_features for m in linears)
+    return 2.0 * decoder, 2.0 * head.in_features * head.out_features
 
 
 def achieved(model, input_tokens: int, output_tokens: int, seconds: float) -> tuple[float, float]:
