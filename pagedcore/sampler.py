@@ -358,7 +358,8 @@ class Sampler:
         logsumexp in one C++ read of the logits, in their own dtype. None where that does not apply
         (or a row is not finite: the torch path then gives torch's own answer for it)."""
         if not (batch.all_greedy and batch.no_penalties and batch.min_tokens_block is None
-                and batch.token_bitmask is None and batch.logit_bias is None and batch.max_num_logprobs is None and logits.device.type == "cpu" and logits.dim() == 2):
+                and batch.logit_bias is None and batch.max_num_logprobs is None and logits.device.type == "cpu"
+                and logits.dim() == 2):
             return None
         ext = _cpu_ext()
         if ext is None:
@@ -366,6 +367,11 @@ class Sampler:
         sampled, lse = ext.argmax_logsumexp(logits)
         if not torch.isfinite(lse).all():
             return None
+        if batch.token_bitmask is not None:
+            # Grammar rows: argmax over the allowed tokens; the logprob stays the model's own (raw lse).
+            masked = logits.to(torch.float32, copy=True)
+            apply_token_bitmask(masked, *batch.token_bitmask)
+            sampled, _ = ext.argmax_logsumexp(masked)
         return SamplerOutput(sampled, logits.gather(1, sampled.unsqueeze(1)).squeeze(1).float() - lse)
 
     @staticmethod

@@ -519,3 +519,30 @@ def test_top_p_over_candidates_equals_full_sort(scale):
     assert torch.equal(fast.isinf(), full.isinf())
     assert torch.equal(fast[~fast.isinf()], logits[~full.isinf()])
     assert (~fast.isinf()).sum(-1).min() >= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_grammar_rows_take_the_fast_path_with_raw_logprobs(monkeypatch, sampler_path, dtype):
+    """A bitmask on an all-greedy batch: argmax over the allowed tokens, the model's own logprob, and the
+    same answer as the torch path (process_logits + argmax), without running it."""
+    V, B = 1000, 5
+    logits = random_logits(21, B, V).to(dtype)
+    g = torch.Generator().manual_seed(5)
+    allowed = torch.rand(B, V, generator=g) < 0.05
+    allowed[:, 7] = True
+    bits = torch.zeros(B, (V + 31) // 32 * 32, dtype=torch.int64)
+    bits[:, :V] = allowed.long()
+    mask = (bits.view(B, -1, 32) << torch.arange(32)).sum(-1)
+    mask = torch.where(mask >= 2 ** 31, mask - 2 ** 32, mask).to(torch.int32)
+    rows = [0, 2, 3]
+    mask[[1, 4]] = -1  # unconstrained rows: every bit set
+    batch = build([SamplingParams(temperature=0.0)] * B, V)
+    batch.token_bitmask = (mask, rows)
+    want = logits.float().masked_fill(~allowed, float("-inf"))
+    want[[1, 4]] = logits.float()[[1, 4]]
+    if sampler_path == "cpu-ext":
+        monkeypatch.setattr(Sampler, "process_logits", staticmethod(lambda *a: pytest.fail("took the torch path")))
+    out = Sampler()(logits, batch)
+    assert torch.equal(out.sampled_token_ids, want.argmax(-1))
+    raw = torch.log_softmax(logits.float(), -1).gather(1, out.sampled_token_ids[:, None]).squeeze(1)
+    torch.testing.assert_close(out.sampled_logprobs, raw, rtol=1e-5, atol=1e-5)
