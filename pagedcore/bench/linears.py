@@ -13,7 +13,6 @@ shared machine only an A/B within one process and interleaved in time is fair.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -21,6 +20,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
+
+from pagedcore.bench.output import write_json
 
 # Per-call budget above which F.linear is not timed (torch's bf16 matmul on CPUs without bf16 units).
 SLOW_CALL_S = 0.5
@@ -154,10 +155,7 @@ def main(args) -> int:
               "matmul_tflops": peak, "rows": [asdict(r) for r in rows], "targets": targets(rows)}
     for t in report["targets"]:
         print(f"target {t['name']}: {t['value']} (want {t['target']}): {'met' if t['met'] else 'NOT met'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}", file=sys.stderr)
+    write_json(report, args.json)
     return 0
 
 

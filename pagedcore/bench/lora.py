@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+from pagedcore.bench.output import int_list, write_json
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -97,22 +98,15 @@ def main(args) -> int:
         r.update(workload=name, cost_vs_base=round(1 - r["output_tok_s"] / base_tok_s, 3))
         report["results"].append(r)
         print(f"{name:28s} {r['output_tok_s']:9.1f} {100 * r['cost_vs_base']:12.1f}%")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"[bench] wrote {args.json}", file=sys.stderr)
+    write_json(report, args.json)
     return 0
-
-
-def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 def add_parser(bsub) -> None:
     p = bsub.add_parser("lora", help="multi-LoRA throughput: 1/4/16 adapters mixed in one batch vs the base model")
     p.add_argument("--model", default=None, help="HF dir or GGUF (default: the bundled SmolLM2)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--num-adapters", type=_int_list, default=[1, 4, 16], help="comma-separated adapter counts")
+    p.add_argument("--num-adapters", type=int_list, default=[1, 4, 16], help="comma-separated adapter counts")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=128)

@@ -14,12 +14,11 @@
 
 from __future__ import annotations
 
-import json
 import random
-import sys
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
+from pagedcore.bench.output import write_json
 from pagedcore.bench.workload import add_workload_args, workload_from_args
 from pagedcore.kv_cache_manager import cdiv
 
@@ -443,10 +442,7 @@ def main(args) -> int:
     else:
         report = run(args)  # a ValueError (budget too small) becomes `error: ...` in the CLI
         print_report(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}", file=sys.stderr)
+    write_json(report, args.json)
     return 0
 
 

@@ -10,12 +10,12 @@ costs measured at start-up and the batch size below which speculation runs (the 
 
 from __future__ import annotations
 
-import json
 import os
 import platform
-import sys
 import time
 from datetime import datetime, timezone
+
+from pagedcore.bench.output import int_list, write_json
 
 FREE_TEXT = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -140,15 +140,8 @@ def main(args) -> int:
     report["auto_off_max_batch_size"] = spec.max_batch_size
     print(f"speculation runs at batch sizes <= {spec.max_batch_size} (auto-off threshold); step cost ratios "
           f"verify/decode: {report['step_costs'] and dict(zip(report['step_costs']['batch_sizes'], report['step_costs']['ratio']))}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"[bench] wrote {args.json}", file=sys.stderr)
+    write_json(report, args.json)
     return 0
-
-
-def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 def add_parser(bsub) -> None:
@@ -163,7 +156,7 @@ def add_parser(bsub) -> None:
     p.add_argument("--num-layers", type=int, default=None, help="layer_skip: the target's first N layers")
     p.add_argument("--disable-by-batch-size", type=int, default=None,
                    help="fixed auto-off threshold (default: measured at start-up)")
-    p.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16], help="comma-separated")
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 4, 16], help="comma-separated")
     p.add_argument("--prompts", type=lambda s: s.split(","), default=["grounded", "free"],
                    help="comma-separated prompt sets: grounded, free")
     p.add_argument("--max-tokens", type=int, default=128)

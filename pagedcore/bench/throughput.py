@@ -7,7 +7,6 @@ matmul roofline, single-stream decode latency (pagedcore vs llama.cpp), cold sta
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
@@ -17,6 +16,7 @@ from datetime import datetime, timezone
 
 from pagedcore.bench import latency, roofline, step_profile
 from pagedcore.bench.memory import WasteTrace, kv_snapshot
+from pagedcore.bench.output import write_json
 from pagedcore.hookspecs import hookimpl
 from pagedcore.bench.peers import parse_peers, run_peer
 from pagedcore.bench.workload import add_workload_args, workload_from_args
@@ -219,7 +219,7 @@ def main(args) -> int:
 
         report.update(structured.run(settings, prompts, out_lens))
         structured.print_report(report)
-        _write(report, args.json)
+        write_json(report, args.json)
         return 0
     tp = args.tensor_parallel_size
     if tp > 1:
@@ -283,15 +283,10 @@ def main(args) -> int:
         report["cold_start_samples_s"] = [round(x, 3) for x in samples]
     report["targets"] = targets(report)
     print_report(report)
-    _write(report, args.json)
+    write_json(report, args.json)
     return 0
 
 
-def _write(report: dict, path: str | None) -> None:
-    if path:
-        with open(path, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {path}", file=sys.stderr)
 
 
 def _cpu_name() -> str:
