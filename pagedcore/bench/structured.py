@@ -1,6 +1,6 @@
 """`pagedcore bench throughput --structured json`: what constrained decoding costs.
 
-The same prompts and output lengths run twice on one engine, greedy: unconstrained (ignore_eos), and
+The same prompts and output lengths run on one engine (prefix caching off), greedy, alternating best of `repeats`: unconstrained (ignore_eos), and
 each request constrained by its own JSON schema (nested objects, enums, integer bounds, required,
 `additionalProperties: false`). The schemas ask for more records than any output holds, so the
 grammar never completes and every request, constrained or not, generates exactly its output length:
@@ -35,10 +35,11 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def run(settings: dict, prompts: list, out_lens: list[int]) -> dict:
+def run(settings: dict, prompts: list, out_lens: list[int], repeats: int = 2) -> dict:
     from pagedcore import LLM, SamplingParams
 
-    llm = LLM(**settings)
+    # No prefix caching: the second run would find the first run's prompts cached and skip their prefill.
+    llm = LLM(**dict(settings, enable_prefix_caching=False))
     free = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
     constrained = [SamplingParams(temperature=0, max_tokens=n, structured_outputs={"json": schema(i)})
                    for i, n in enumerate(out_lens)]
@@ -51,17 +52,20 @@ def run(settings: dict, prompts: list, out_lens: list[int]) -> dict:
     compile_ms = [t * 1e3 for t in manager.compile_times]
 
     rows = {}
-    for name, params in (("unconstrained", free), ("json", constrained)):
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        rows[name] = {"seconds": round(seconds, 3), "output_tokens": tokens, "output_tok_s": round(tokens / seconds, 2),
-                      "finish_reasons": sorted({o.outputs[0].finish_reason for o in outs})}
-        print(f"[bench] {name}: {tokens} tokens in {seconds:.2f} s", file=sys.stderr)
+    for _ in range(repeats):  # alternating, the best of each: machine noise hits both alike
+        for name, params in (("unconstrained", free), ("json", constrained)):
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - t0
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            print(f"[bench] {name}: {tokens} tokens in {seconds:.2f} s", file=sys.stderr)
+            if name not in rows or seconds < rows[name]["seconds"]:
+                rows[name] = {"seconds": round(seconds, 3), "output_tokens": tokens,
+                              "output_tok_s": round(tokens / seconds, 2),
+                              "finish_reasons": sorted({o.outputs[0].finish_reason for o in outs})}
     llm.shutdown()
     ratio = rows["json"]["output_tok_s"] / rows["unconstrained"]["output_tok_s"]
-    return {"structured": "json", "num_requests": len(prompts), "max_num_seqs": settings.get("max_num_seqs"),
+    return {"structured": "json", "num_requests": len(prompts), "repeats": repeats, "prefix_caching": False, "max_num_seqs": settings.get("max_num_seqs"),
             "runs": rows, "constrained_over_unconstrained": round(ratio, 3), "cost_pct": round((1 - ratio) * 100, 2),
             "compile_ms": {"count": len(compile_ms), "p50": round(statistics.median(compile_ms), 2),
                            "p99": round(_percentile(compile_ms, 0.99), 2), "max": round(max(compile_ms), 2),
