@@ -10,7 +10,8 @@ of the fused one: the weight is resident once, and the members still run alone o
 (fused there, q/k/v come back strided, which measured slower downstream at batch 64).
 
 Only the lean layers call these (lean_layers.py); they check the members are still the modules
-fused here, so anything that replaces a projection afterwards (a LoRA wrapper, a plugin) wins.
+fused here with the forwards they had, so anything that replaces or patches a projection afterwards (a LoRA
+layer, a plugin) wins.
 """
 
 from __future__ import annotations
@@ -36,12 +37,19 @@ class FusedProjection:
     members: tuple[nn.Module, ...]
     widths: tuple[int, ...]
     run: callable  # x [..., K] -> y [..., sum(widths)]
+    forwards: tuple = ()  # each member's instance forward when fused (None: its class's)
+
+    def __post_init__(self):
+        self.forwards = tuple(m.__dict__.get("forward") for m in self.members)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.run(x).split(self.widths, dim=-1)
 
     def still_installed_on(self, parent: nn.Module, names: tuple[str, ...]) -> bool:
-        return all(getattr(parent, n) is m for n, m in zip(names, self.members))
+        """The same modules, each still running the forward it had when fused (a LoRA layer patches the
+        forward in place: fused, its product would be skipped)."""
+        return all(getattr(parent, n) is m and m.__dict__.get("forward") is f
+                   for n, m, f in zip(names, self.members, self.forwards))
 
 
 def install(model: nn.Module, device: torch.device) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
 import logging
 import time
@@ -118,7 +119,7 @@ class LLMEngine:
         self._request_counter = itertools.count()
         self.total_generated_tokens = 0
         self.spec = self._spec_decoder()
-        self.structured_output = StructuredOutputManager(self._structured_output_backend, self.vocab_size)
+        self.structured_output = StructuredOutputManager(self._structured_output_backend(), self.vocab_size)
         self._compiling: dict[str, object] = {}  # request id -> its grammar's future, until attached
         self.max_concurrent_requests = self.config.max_concurrent_requests or max(self.config.max_num_seqs,
                                                                                   self.kv.num_blocks)
@@ -538,14 +539,10 @@ class LLMEngine:
 
     # ---- structured output ---------------------------------------------------------------------
     def _structured_output_backend(self):
-        """Built on the first constrained request (in a compile thread): through the hook, so a plugin
-        may add a backend."""
-        name = self.config.structured_outputs_backend
-        backend = self.pm.hook.pagedcore_structured_output_backend(
-            name=name, tokenizer=self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=sorted(self.eos_token_ids))
-        if backend is None:
-            raise ValueError(f"no structured outputs backend {name!r} (built in: xgrammar, llguidance)")
-        return backend
+        """Made on the first constrained request (in a compile thread), through the hook, so a plugin may
+        add a backend. A partial of what it needs, not a bound method: the manager must not hold the engine."""
+        return functools.partial(_make_structured_output_backend, self.pm.hook, self.config.structured_outputs_backend,
+                                 self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
 
     def compile_grammar(self, params: SamplingParams):
         """Start compiling (or find cached) the grammar of `params.structured_outputs`: a
@@ -720,3 +717,11 @@ def _weak_method(method):
         if m is not None:
             m(*args, **kwargs)
     return call
+
+
+def _make_structured_output_backend(hook, name: str, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    backend = hook.pagedcore_structured_output_backend(name=name, tokenizer=tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=stop_token_ids)
+    if backend is None:
+        raise ValueError(f"no structured outputs backend {name!r} (built in: xgrammar, llguidance)")
+    return backend

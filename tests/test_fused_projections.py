@@ -101,6 +101,9 @@ def test_a_replaced_member_wins(ext):
     assert fused_projections.get(model.self_attn, QKV) is None
     assert fused_projections.get(model.mlp, GATE_UP) is not None
     assert fused_projections.install(model, CPU) == 0  # idempotent; k_proj's group stays unfused
+    # Patching a member's forward in place (as LoRA layers do) turns its group off too.
+    model.mlp.up_proj.forward = lambda x: x
+    assert fused_projections.get(model.mlp, GATE_UP) is None
 
 
 def test_unfusable_groups_are_left_alone(ext):

@@ -27,19 +27,29 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.cache_size = cache_size
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="pagedcore-grammar")
-        self._backend = self._executor.submit(make_backend)
+        self._make_backend = make_backend
+        self._backend: Future | None = None  # submitted with the first compile: engines that never constrain pay nothing
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._lock = threading.Lock()
         self.compile_times: list[float] = []  # seconds per compiled spec (cache misses), for the benchmark
 
     @property
     def backend(self) -> StructuredOutputBackend:
-        return self._backend.result()
+        return self._backend_future().result()
+
+    def _backend_future(self) -> Future:
+        # Queued before any compile that needs it (the pool is FIFO), so a compile thread waiting on it
+        # never holds the only worker that could build it.
+        with self._lock:
+            if self._backend is None:
+                self._backend = self._executor.submit(self._make_backend)
+            return self._backend
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
         """The spec's compiled grammar, as a future (shared by every request with the same spec). Its
         exception, if any, is an InvalidRequestError naming the problem."""
         key = spec.key
+        self._backend_future()
         with self._lock:
             future = self._cache.get(key)
             if future is None:
