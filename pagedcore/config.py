@@ -41,6 +41,8 @@ class EngineConfig:
     # linears kept quantized as the file stores them. Pre-quantized HF checkpoints need none (config.json says)
     quantization: str | None = None
     pack_weights: bool = True  # CPU: linears run over weights packed once at load (pagedcore/packed_linear.py)
+    # CPU: decode steps of Llama-family models run the whole decoder stack as one C++ call (pagedcore/decode_stack.py)
+    decode_stack: bool = True
     # Capture the model forward with torch.compile (pagedcore/capture.py); eager if it fails.
     # None: on for CUDA (CUDA graphs), off for CPU, where the captured step measured no faster than
     # the eager C++ lean layers (README, "Captured forward") and the first compile takes minutes.

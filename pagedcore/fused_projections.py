@@ -37,6 +37,9 @@ class FusedProjection:
     members: tuple[nn.Module, ...]
     widths: tuple[int, ...]
     run: callable  # x [..., K] -> y [..., sum(widths)]
+    # The fused weight as the decode stack takes it (decode_stack.py): (packed, scale_min, bias, out_features,
+    # group_size, int8_rows), int8_rows -1 for int4 weights that quantize activations at decode
+    spec: tuple = ()
     forwards: tuple = ()  # each member's instance forward when fused (None: its class's)
 
     def __post_init__(self):
@@ -100,7 +103,8 @@ def _fuse_packed(ext, members: list[nn.Linear], widths: tuple[int, ...]) -> Fuse
     bias = _cat_bias(members, widths)
     _share_panels(packed, members, widths, lambda m, view: setattr(m, "_pagedcore_packed", view))
     total = sum(widths)
-    return FusedProjection(tuple(members), widths, lambda x: ext.packed_linear(x, packed, total, bias))
+    return FusedProjection(tuple(members), widths, lambda x: ext.packed_linear(x, packed, total, bias),
+                           (packed, None, bias, total, 0, 0))
 
 
 def _fuse_int4(ext, members: list[Int4Linear], widths: tuple[int, ...]) -> FusedProjection | None:
@@ -123,7 +127,8 @@ def _fuse_int4(ext, members: list[Int4Linear], widths: tuple[int, ...]) -> Fused
         rows = quantization.INT8_ACTIVATION_ROWS if first.int8_activations else 0
         return ext.packed_linear_int4(x, packed, scale_min, total, group, bias, rows)
 
-    return FusedProjection(tuple(members), widths, run)
+    return FusedProjection(tuple(members), widths, run,
+                           (packed, scale_min, bias, total, group, -1 if first.int8_activations else 0))
 
 
 def _share_panels(fused, members, widths, assign) -> None:

@@ -11,6 +11,7 @@ from pagedcore import fused_norms, fused_projections, lean_layers, packed_linear
 from pagedcore.attention import hf_glue
 from pagedcore.attention.backend import AttentionMetadata
 from pagedcore.config import EngineConfig
+from pagedcore.decode_stack import DecodeStack
 from pagedcore.input_batch import InputBatch
 from pagedcore.kernels import kv_quant
 from pagedcore.scheduler import SchedulerOutput
@@ -92,6 +93,10 @@ class ModelRunner:
             from pagedcore.capture import CapturedForward
 
             self.captured = CapturedForward(model, device, config.max_num_seqs)
+        self.decode_stack = None
+        if config.decode_stack and config.pack_weights and self.lora_manager is None and self.captured is None \
+                and config.tensor_parallel_size == 1:
+            self.decode_stack = DecodeStack.build(model, self.kv_caches, backend, device)
         self.reset_input_batch()
 
     def reset_input_batch(self) -> None:
@@ -204,6 +209,10 @@ class ModelRunner:
         with hf_glue.forward_context(ctx):
             if self.captured is not None:
                 return inp.sample_rows, self.captured(inp.input_ids, inp.positions, inp.logits_indices)
+            plan = self.decode_stack.plan(ctx, len(inp.input_ids)) if self.decode_stack is not None else None
+            logits = self.decode_stack(inp.input_ids, inp.positions, inp.logits_indices, ctx, plan) if plan else None
+            if logits is not None:
+                return inp.sample_rows, logits
             out = self.model(input_ids=inp.input_ids[None], position_ids=inp.positions[None], use_cache=False,
                              logits_to_keep=inp.logits_indices)
         return inp.sample_rows, out.logits[0]

@@ -22,5 +22,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "quantized to int8 per 32 (integer dot products), others kept fp32",
         py::arg("x"), py::arg("q"), py::arg("sm"), py::arg("out_features"), py::arg("group_size"),
         py::arg("bias") = py::none(), py::arg("int8_rows") = 0);
+  bind_decode_stack(m);
   m.def("sample_inverse_cdf", &sample_inverse_cdf, "per row: first token whose running fp64 sum exceeds u * total");
 }

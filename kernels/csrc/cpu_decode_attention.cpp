@@ -23,6 +23,7 @@
 // AVX2 + FMA path for head_dim % 16 == 0 (head_dim 64 and 128 compiled as constants); a portable
 // scalar path with the same structure otherwise, or when built without AVX2.
 #include "ops.h"
+#include "decode_stack_parts.h"
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <algorithm>
@@ -520,138 +521,108 @@ void pv_avx2(const float* w, int64_t hkv, int64_t g, const T* v, const int64_t* 
 }
 #endif  // PC_ATTN_AVX2
 
-struct Item {
-  int64_t seq, p0, p1;  // positions [p0, p1) of sequence seq, all heads
-  int64_t slot;         // partial-result slot when the sequence is split, else -1
-};
-
+// One sequence's positions [p0, p1) (or the whole sequence) for every head, as the items of a step.
 template <typename T, typename Q>
-void decode_kernel(const Q* query, const T* k_cache, const T* v_cache, const int32_t* block_table,
-                   const int32_t* seq_lens, const int64_t* rows, Q* out, int64_t n, int64_t hq, int64_t hkv, int64_t d,
-                   int64_t block_size, int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride, float scale,
-                   int64_t window, float softcap, int64_t block_stride, const c10::Half* k_scales,
-                   const c10::Half* v_scales, int64_t scale_block_stride) {
-  const int64_t group = hq / hkv, row_elems = hkv * d;
+void run_items(const DecodeAttention& a, int64_t begin, int64_t end) {
+  const int64_t hq = a.hq, hkv = a.hkv, d = a.d, group = hq / hkv, row_elems = hkv * d, pstride = d + 2;
+  const Q* query = static_cast<const Q*>(a.query);
+  const T *k_cache = static_cast<const T*>(a.k_cache), *v_cache = static_cast<const T*>(a.v_cache);
+  Q* out = static_cast<Q*>(a.out);
 #ifdef PC_ATTN_AVX2
   const bool vec = d % 16 == 0;
 #else
   [[maybe_unused]] const bool vec = false;
 #endif
-  auto first_of = [&](int64_t s) {
-    const int64_t len = seq_lens[s];
-    return window > 0 ? std::max<int64_t>(0, len - window) : int64_t(0);
-  };
-  int64_t total = 0;
-  for (int64_t s = 0; s < n; ++s) total += seq_lens[s] - first_of(s);
-
-  // Work items: one per sequence, except that with several threads a sequence longer than ~1/(4 x
-  // threads) of the step's positions is split into partitions (of >= kMinPart positions).
-  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
-  int64_t part_len = std::numeric_limits<int64_t>::max();
-  if (threads > 1) part_len = std::max<int64_t>(kMinPart, (total + 4 * threads - 1) / (4 * threads));
-  std::vector<Item> items;
-  items.reserve(n);
-  int64_t slots = 0;
-  for (int64_t s = 0; s < n; ++s) {
-    const int64_t first = first_of(s), len = seq_lens[s], count = len - first;
-    const int64_t parts = count > part_len ? (count + part_len - 1) / part_len : 1;
-    const int64_t step = (count + parts - 1) / parts;
-    for (int64_t p = 0; p < parts; ++p)
-      items.push_back({s, first + p * step, std::min(len, first + (p + 1) * step), parts > 1 ? slots++ : -1});
-  }
-  // Partial results of split items: [slot][head] x (max, sum, acc[d]).
-  const int64_t pstride = d + 2;
-  std::vector<float> partial(slots * hq * pstride);
-
-  const int64_t num_items = int64_t(items.size());
-  // Small batches run inline (grain: a chunk holds >= 2^18 query-head x position x head_dim FMAs,
-  // ~50 us here).
-  const int64_t work = std::max<int64_t>(1, total / std::max<int64_t>(1, num_items)) * hq * d;
-  at::parallel_for(0, num_items, grain_for(work, 1 << 18), [&](int64_t begin, int64_t end) {
-    std::vector<float> q(hq * d), acc(hq * d), scores, ml(2 * hq);
-    std::vector<int64_t> off, soff;
-    for (int64_t it = begin; it < end; ++it) {
-      const Item& item = items[it];
-      const int64_t count = item.p1 - item.p0;
-      const Q* qrow = query + rows[item.seq] * q_row_stride;
+  std::vector<float> q(hq * d), acc(hq * d), scores, ml(2 * hq);
+  std::vector<int64_t> off, soff;
+  for (int64_t it = begin; it < end; ++it) {
+    const DecodeItem& item = a.items[it];
+    const int64_t count = item.p1 - item.p0;
+    const Q* qrow = query + a.rows[item.seq] * a.q_row_stride;
 #ifdef PC_ATTN_AVX2
-      if (vec)
-        for (int64_t h = 0; h < hq; ++h) load_q<T>(&q[h * d], qrow + h * q_head_stride, d, scale);
-      else
+    if (vec)
+      for (int64_t h = 0; h < hq; ++h) load_q<T>(&q[h * d], qrow + h * a.q_head_stride, d, a.scale);
+    else
 #endif
-        for (int64_t h = 0; h < hq; ++h)
-          for (int64_t i = 0; i < d; ++i) q[h * d + i] = to_float(qrow[h * q_head_stride + i]) * scale;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      if (count > 0) {
-        if (int64_t(off.size()) < count) off.resize(count);
-        if (int64_t(scores.size()) < hq * count) scores.resize(hq * count);
-        const int32_t* table = block_table + item.seq * max_blocks;
-        row_offsets(table, item.p0, item.p1, block_size, row_elems, block_stride, off.data());
-        if (k_scales != nullptr) {
-          if (int64_t(soff.size()) < count) soff.resize(count);
-          row_offsets(table, item.p0, item.p1, block_size, hkv, scale_block_stride, soff.data());
-        }
-        float* sc = scores.data();
-        // Scores [hq, count] (query head h reads KV head h / group), softmax per head, weighted V.
-#ifdef PC_ATTN_AVX2
-        if (vec) {
-          if (d == 64) scores_avx2<T, 64>(q.data(), hkv, group, k_cache, v_cache, off.data(), count, d, row_elems, sc);
-          else if (d == 128)
-            scores_avx2<T, 128>(q.data(), hkv, group, k_cache, v_cache, off.data(), count, d, row_elems, sc);
-          else scores_avx2<T, 0>(q.data(), hkv, group, k_cache, v_cache, off.data(), count, d, row_elems, sc);
-        } else
-#endif
-          for (int64_t kv = 0; kv < hkv; ++kv)
-            scores_scalar(&q[kv * group * d], group, k_cache + kv * d, off.data(), count, d, sc + kv * group * count);
-        if (k_scales != nullptr) apply_row_scales(sc, hkv, group, count, k_scales, soff.data());
-        if (softcap > 0.f)
-          for (int64_t j = 0; j < hq * count; ++j) sc[j] = softcap * std::tanh(sc[j] / softcap);
-        for (int64_t h = 0; h < hq; ++h) {
-#ifdef PC_ATTN_AVX2
-          if (vec) softmax_avx2(sc + h * count, count, &ml[2 * h], &ml[2 * h + 1]);
-          else
-#endif
-            softmax_scalar(sc + h * count, count, &ml[2 * h], &ml[2 * h + 1]);
-        }
-        // After the softmax (its sums stay those of the weights): V's scales go into the weights.
-        if (v_scales != nullptr) apply_row_scales(sc, hkv, group, count, v_scales, soff.data());
-#ifdef PC_ATTN_AVX2
-        if (vec) {
-          if (d == 64) pv_avx2<T, 64>(sc, hkv, group, v_cache, off.data(), count, d, row_elems, acc.data());
-          else if (d == 128) pv_avx2<T, 128>(sc, hkv, group, v_cache, off.data(), count, d, row_elems, acc.data());
-          else pv_avx2<T, 0>(sc, hkv, group, v_cache, off.data(), count, d, row_elems, acc.data());
-          for (int64_t h = 0; h < hq; ++h) to_natural<T>(&acc[h * d], d);
-        } else
-#endif
-          for (int64_t kv = 0; kv < hkv; ++kv)
-            pv_scalar(sc + kv * group * count, group, v_cache + kv * d, off.data(), count, d, &acc[kv * group * d]);
-      } else {
-        for (int64_t h = 0; h < hq; ++h) ml[2 * h] = -std::numeric_limits<float>::max(), ml[2 * h + 1] = 0.f;
+      for (int64_t h = 0; h < hq; ++h)
+        for (int64_t i = 0; i < d; ++i) q[h * d + i] = to_float(qrow[h * a.q_head_stride + i]) * a.scale;
+    std::fill(acc.begin(), acc.end(), 0.f);
+    if (count > 0) {
+      if (int64_t(off.size()) < count) off.resize(count);
+      if (int64_t(scores.size()) < hq * count) scores.resize(hq * count);
+      const int32_t* table = a.block_table + item.seq * a.max_blocks;
+      row_offsets(table, item.p0, item.p1, a.block_size, row_elems, a.block_stride, off.data());
+      if (a.k_scales != nullptr) {
+        if (int64_t(soff.size()) < count) soff.resize(count);
+        row_offsets(table, item.p0, item.p1, a.block_size, hkv, a.scale_block_stride, soff.data());
       }
-      if (item.slot >= 0) {
-        float* dst = partial.data() + item.slot * hq * pstride;
-        for (int64_t h = 0; h < hq; ++h) {
-          dst[h * pstride] = ml[2 * h];
-          dst[h * pstride + 1] = ml[2 * h + 1];
-          std::copy(acc.data() + h * d, acc.data() + (h + 1) * d, dst + h * pstride + 2);
-        }
-      } else {
-        Q* orow = out + item.seq * hq * d;
-        for (int64_t h = 0; h < hq; ++h) {
-          const float inv = ml[2 * h + 1] > 0.f ? 1.f / ml[2 * h + 1] : 0.f;
+      float* sc = scores.data();
+      // Scores [hq, count] (query head h reads KV head h / group), softmax per head, weighted V.
 #ifdef PC_ATTN_AVX2
-          if (vec) {
-            store_out(orow + h * d, &acc[h * d], d, inv);
-            continue;
-          }
+      if (vec) {
+        if (d == 64) scores_avx2<T, 64>(q.data(), hkv, group, k_cache, v_cache, off.data(), count, d, row_elems, sc);
+        else if (d == 128)
+          scores_avx2<T, 128>(q.data(), hkv, group, k_cache, v_cache, off.data(), count, d, row_elems, sc);
+        else scores_avx2<T, 0>(q.data(), hkv, group, k_cache, v_cache, off.data(), count, d, row_elems, sc);
+      } else
 #endif
-          for (int64_t i = 0; i < d; ++i) orow[h * d + i] = static_cast<Q>(acc[h * d + i] * inv);
+        for (int64_t kv = 0; kv < hkv; ++kv)
+          scores_scalar(&q[kv * group * d], group, k_cache + kv * d, off.data(), count, d, sc + kv * group * count);
+      if (a.k_scales != nullptr) apply_row_scales(sc, hkv, group, count, a.k_scales, soff.data());
+      if (a.softcap > 0.f)
+        for (int64_t j = 0; j < hq * count; ++j) sc[j] = a.softcap * std::tanh(sc[j] / a.softcap);
+      for (int64_t h = 0; h < hq; ++h) {
+#ifdef PC_ATTN_AVX2
+        if (vec) softmax_avx2(sc + h * count, count, &ml[2 * h], &ml[2 * h + 1]);
+        else
+#endif
+          softmax_scalar(sc + h * count, count, &ml[2 * h], &ml[2 * h + 1]);
+      }
+      // After the softmax (its sums stay those of the weights): V's scales go into the weights.
+      if (a.v_scales != nullptr) apply_row_scales(sc, hkv, group, count, a.v_scales, soff.data());
+#ifdef PC_ATTN_AVX2
+      if (vec) {
+        if (d == 64) pv_avx2<T, 64>(sc, hkv, group, v_cache, off.data(), count, d, row_elems, acc.data());
+        else if (d == 128) pv_avx2<T, 128>(sc, hkv, group, v_cache, off.data(), count, d, row_elems, acc.data());
+        else pv_avx2<T, 0>(sc, hkv, group, v_cache, off.data(), count, d, row_elems, acc.data());
+        for (int64_t h = 0; h < hq; ++h) to_natural<T>(&acc[h * d], d);
+      } else
+#endif
+        for (int64_t kv = 0; kv < hkv; ++kv)
+          pv_scalar(sc + kv * group * count, group, v_cache + kv * d, off.data(), count, d, &acc[kv * group * d]);
+    } else {
+      for (int64_t h = 0; h < hq; ++h) ml[2 * h] = -std::numeric_limits<float>::max(), ml[2 * h + 1] = 0.f;
+    }
+    if (item.slot >= 0) {
+      float* dst = const_cast<float*>(a.partial.data()) + item.slot * hq * pstride;
+      for (int64_t h = 0; h < hq; ++h) {
+        dst[h * pstride] = ml[2 * h];
+        dst[h * pstride + 1] = ml[2 * h + 1];
+        std::copy(acc.data() + h * d, acc.data() + (h + 1) * d, dst + h * pstride + 2);
+      }
+    } else {
+      Q* orow = out + item.seq * hq * d;
+      for (int64_t h = 0; h < hq; ++h) {
+        const float inv = ml[2 * h + 1] > 0.f ? 1.f / ml[2 * h + 1] : 0.f;
+#ifdef PC_ATTN_AVX2
+        if (vec) {
+          store_out(orow + h * d, &acc[h * d], d, inv);
+          continue;
         }
+#endif
+        for (int64_t i = 0; i < d; ++i) orow[h * d + i] = static_cast<Q>(acc[h * d + i] * inv);
       }
     }
-  });
-  if (slots == 0) return;
-  // Combine the partitions of each split sequence (consecutive items): rescale to the common max.
+  }
+}
+
+// Combine the partitions of each split sequence (consecutive items): rescale to the common max.
+template <typename Q>
+void combine_items(const DecodeAttention& a) {
+  const int64_t hq = a.hq, d = a.d, pstride = d + 2, num_items = int64_t(a.items.size());
+  const auto& items = a.items;
+  const auto& partial = a.partial;
+  Q* out = static_cast<Q*>(a.out);
   std::vector<float> o(d);
   for (int64_t it = 0; it < num_items;) {
     if (items[it].slot < 0) {
@@ -680,7 +651,61 @@ void decode_kernel(const Q* query, const T* k_cache, const T* v_cache, const int
   }
 }
 
+// Calls f(T{}, Q{}) with the cache's and the query's element types.
+template <typename F>
+void dispatch_types(const DecodeAttention& a, F&& f) {
+  auto with_cache = [&](auto cache_elem) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.query_type, "paged_decode_q",
+                                    [&] { f(cache_elem, scalar_t{}); });
+  };
+  if (a.cache_type == at::kChar) {
+    with_cache(int8_t{});
+  } else if (a.cache_type == at::kFloat8_e4m3fn) {
+    with_cache(c10::Float8_e4m3fn{});
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.cache_type, "paged_decode_kv",
+                                    [&] { with_cache(scalar_t{}); });
+  }
+}
 }  // namespace
+
+void DecodeAttention::plan(int64_t threads) {
+  auto first_of = [&](int64_t s) {
+    const int64_t len = seq_lens[s];
+    return window > 0 ? std::max<int64_t>(0, len - window) : int64_t(0);
+  };
+  int64_t total = 0;
+  for (int64_t s = 0; s < n; ++s) total += seq_lens[s] - first_of(s);
+  // Work items: one per sequence, except that with several threads a sequence longer than ~1/(4 x
+  // threads) of the step's positions is split into partitions (of >= kMinPart positions).
+  int64_t part_len = std::numeric_limits<int64_t>::max();
+  if (threads > 1) part_len = std::max<int64_t>(kMinPart, (total + 4 * threads - 1) / (4 * threads));
+  items.clear();
+  items.reserve(n);
+  int64_t slots = 0;
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t first = first_of(s), len = seq_lens[s], count = len - first;
+    const int64_t parts = count > part_len ? (count + part_len - 1) / part_len : 1;
+    const int64_t step = (count + parts - 1) / parts;
+    for (int64_t p = 0; p < parts; ++p)
+      items.push_back({s, first + p * step, std::min(len, first + (p + 1) * step), parts > 1 ? slots++ : -1});
+  }
+  has_split = slots > 0;
+  // Partial results of split items: [slot][head] x (max, sum, acc[d]).
+  partial.assign(slots * hq * (d + 2), 0.f);
+  // Small batches run inline (grain: a chunk holds >= 2^18 query-head x position x head_dim FMAs, ~50 us here).
+  const int64_t per_item = std::max<int64_t>(1, total / std::max<int64_t>(1, int64_t(items.size())));
+  grain = grain_for(per_item * hq * d, 1 << 18);
+}
+
+void DecodeAttention::run(int64_t begin, int64_t end) const {
+  dispatch_types(*this, [&](auto t, auto q) { run_items<decltype(t), decltype(q)>(*this, begin, end); });
+}
+
+void DecodeAttention::combine() const {
+  if (!has_split) return;
+  dispatch_types(*this, [&](auto, auto q) { combine_items<decltype(q)>(*this); });
+}
 
 // query [T, Hq, D] (last dim contiguous); rows [n] int64: query row of each sequence;
 // caches [num_blocks, block_size, Hkv, D], rows dense within a block (blocks any stride apart); block_table
@@ -712,23 +737,13 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor rows, torch::Tenso
     scale_block_stride = k_scales->stride(0);
   }
   auto out = torch::empty({n, hq, d}, query.options());
-  auto run = [&](auto cache_elem) {
-    using T = decltype(cache_elem);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_q", [&] {
-      decode_kernel<T, scalar_t>(query.data_ptr<scalar_t>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
-                                 block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
-                                 rows.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), n, hq, hkv, d, block_size,
-                                 block_table.size(1), query.stride(0), query.stride(1), float(scale), window,
-                                 float(softcap), k_cache.stride(0), ks, vs, scale_block_stride);
-    });
-  };
-  if (k_cache.scalar_type() == at::kChar) {
-    run(int8_t{});
-  } else if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {
-    run(c10::Float8_e4m3fn{});
-  } else {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode_kv",
-                                    [&] { run(scalar_t{}); });
-  }
+  DecodeAttention a{query.scalar_type(), k_cache.scalar_type(), query.data_ptr(), k_cache.data_ptr(),
+                    v_cache.data_ptr(), block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                    rows.data_ptr<int64_t>(), out.data_ptr(), n, hq, hkv, d, block_size, block_table.size(1),
+                    query.stride(0), query.stride(1), float(scale), window, float(softcap), k_cache.stride(0), ks, vs,
+                    scale_block_stride};
+  a.plan(at::in_parallel_region() ? 1 : at::get_num_threads());
+  at::parallel_for(0, int64_t(a.items.size()), a.grain, [&](int64_t begin, int64_t end) { a.run(begin, end); });
+  a.combine();
   return out;
 }

@@ -8,6 +8,7 @@
 // The micro-kernel keeps a 6 x 16 tile of C in 12 AVX2 registers (BLIS-style); at M = 1 it
 // streams each panel once, so decode runs at memory speed.
 #include "ops.h"
+#include "decode_stack_parts.h"
 
 #include <ATen/Parallel.h>
 
@@ -203,37 +204,31 @@ inline void store_tile(const float* c, int64_t rows, int64_t ncols, const float*
   }
 }
 
+// Panels [p0, p1) of y = x @ W^T for every row of x (packed into fp32 row tiles).
 template <typename X, typename W>
-void gemm(const X* x, const W* packed, const float* bias, X* y, int64_t M, int64_t N, int64_t K) {
-  const int64_t panels = (N + NR - 1) / NR, tiles = (M + MR - 1) / MR;
-  // fp32 copy of x once per call: the micro-kernel broadcasts from it K x panels times.
-  std::vector<float> xp(static_cast<size_t>(M * K));
-  at::parallel_for(0, tiles, grain_for(MR * K), [&](int64_t b, int64_t e) { pack_tiles(x, M, K, b, e, xp.data()); });
+void dense_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1, std::vector<float>& wbuf) {
+  const int64_t M = in.M, N = w.N, K = w.K;
+  const W* packed = static_cast<const W*>(w.w);
   const bool widen = M > 2 * MR;
-  // Split the columns between threads: each weight panel is read by one thread only. Grain: about
-  // 64k multiply-adds per chunk, so a tiny matmul runs inline.
-  at::parallel_for(0, panels, grain_for(M * K * NR, 65536), [&](int64_t p0, int64_t p1) {
-    float c[MR * NR];
-    std::vector<float> wbuf(widen ? static_cast<size_t>(K * NR) : 0);
-    for (int64_t m0 = 0; m0 < M; m0 += MC) {
-      const int64_t m1 = std::min(M, m0 + MC);
-      for (int64_t p = p0; p < p1; ++p) {
-        const W* panel = packed + p * K * NR;
-        const float* wide = widen ? widen_panel(panel, K, wbuf.data()) : nullptr;
-        const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
-        for (int64_t i = m0; i < m1; i += MR) {
-          const int64_t rows = std::min(MR, m1 - i);
-          if (wide)
-            tile(rows, xp.data() + i * K, wide, K, c);
-          else
-            tile(rows, xp.data() + i * K, panel, K, c);
-          store_tile(c, rows, ncols, bias, n0, y + i * N + n0, N);
-        }
+  if (widen && int64_t(wbuf.size()) < K * NR) wbuf.resize(K * NR);
+  float c[MR * NR];
+  for (int64_t m0 = 0; m0 < M; m0 += MC) {
+    const int64_t m1 = std::min(M, m0 + MC);
+    for (int64_t p = p0; p < p1; ++p) {
+      const W* panel = packed + p * K * NR;
+      const float* wide = widen ? widen_panel(panel, K, wbuf.data()) : nullptr;
+      const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
+      for (int64_t i = m0; i < m1; i += MR) {
+        const int64_t rows = std::min(MR, m1 - i);
+        if (wide)
+          tile(rows, in.xp.data() + i * K, wide, K, c);
+        else
+          tile(rows, in.xp.data() + i * K, panel, K, c);
+        store_tile(c, rows, ncols, w.bias, n0, y + i * N + n0, N);
       }
     }
-  });
+  }
 }
-
 
 // ---- int4 weights (w = q * scale + min per group of G inputs, as GGUF's Q4_1) ------------------
 // Panel p holds K (rounded up to 4, zero codes past K) inputs in quads of 4: 32 bytes per quad, byte
@@ -427,70 +422,128 @@ void quantize_rows(const X* x, int64_t M, int64_t K, int64_t G, int8_t* xq, floa
     }
 }
 
+// Panels [p0, p1) of an int4 weight against int8-quantized rows, two rows at a time.
 template <typename X>
-void gemm_int4_int8(const X* x, const uint8_t* q, const float* sm, const float* bias, X* y, int64_t M, int64_t N,
-                    int64_t K, int64_t G) {
-  const int64_t panels = (N + NR - 1) / NR, groups = K / G, Kp = round4(K);
-  std::vector<int8_t> xq(static_cast<size_t>(M * K));
-  std::vector<float> d(static_cast<size_t>(M * (K / QB))), xs(static_cast<size_t>(M * groups));
-  quantize_rows(x, M, K, G, xq.data(), d.data(), xs.data());
-  at::parallel_for(0, panels, grain_for(M * K * NR, 65536), [&](int64_t p0, int64_t p1) {
-    float c[2 * NR];
-    for (int64_t p = p0; p < p1; ++p) {
-      const uint8_t* qp = q + p * Kp * 8;
-      const float* smp = sm + p * groups * 2 * NR;
-      const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
-      for (int64_t i = 0; i < M; i += 2) {
-        const int64_t rows = std::min<int64_t>(2, M - i);
-        const int8_t* xi = xq.data() + i * K;
-        const float *di = d.data() + i * (K / QB), *si = xs.data() + i * groups;
-        if (rows == 2)
-          micro_kernel_int4_int8<2>(xi, di, si, K, G, qp, smp, c);
-        else
-          micro_kernel_int4_int8<1>(xi, di, si, K, G, qp, smp, c);
-        store_tile(c, rows, ncols, bias, n0, y + i * N + n0, N);
-      }
+void int4_int8_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1) {
+  const int64_t M = in.M, N = w.N, K = w.K, G = w.group_size, groups = K / G, Kp = round4(K);
+  const uint8_t* q = static_cast<const uint8_t*>(w.w);
+  float c[2 * NR];
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* qp = q + p * Kp * 8;
+    const float* smp = w.scale_min + p * groups * 2 * NR;
+    const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
+    for (int64_t i = 0; i < M; i += 2) {
+      const int64_t rows = std::min<int64_t>(2, M - i);
+      const int8_t* xi = in.xq.data() + i * K;
+      const float *di = in.d.data() + i * (K / QB), *si = in.xs.data() + i * groups;
+      if (rows == 2)
+        micro_kernel_int4_int8<2>(xi, di, si, K, G, qp, smp, c);
+      else
+        micro_kernel_int4_int8<1>(xi, di, si, K, G, qp, smp, c);
+      store_tile(c, rows, ncols, w.bias, n0, y + i * N + n0, N);
     }
-  });
+  }
 }
 
+// Panels [p0, p1) of an int4 weight against fp32 rows: dequantized in registers (one row) or widened.
 template <typename X>
-void gemm_int4(const X* x, const uint8_t* q, const float* sm, const float* bias, X* y, int64_t M, int64_t N,
-               int64_t K, int64_t G, int64_t int8_rows) {
-  if (M <= int8_rows && G % QB == 0) return gemm_int4_int8(x, q, sm, bias, y, M, N, K, G);
-  const int64_t panels = (N + NR - 1) / NR, tiles = (M + MR - 1) / MR, groups = K / G, Kp = round4(K);
-  std::vector<float> xp(static_cast<size_t>(M * K));
-  at::parallel_for(0, tiles, grain_for(MR * K), [&](int64_t b, int64_t e) { pack_tiles(x, M, K, b, e, xp.data()); });
+void int4_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1, std::vector<float>& wbuf) {
+  const int64_t M = in.M, N = w.N, K = w.K, G = w.group_size, groups = K / G, Kp = round4(K);
+  const uint8_t* q = static_cast<const uint8_t*>(w.w);
 #ifdef PC_AVX2
   const bool widen = M > 1;  // two rows already run faster over a widened panel (measured)
 #else
   const bool widen = true;
 #endif
-  at::parallel_for(0, panels, grain_for(M * K * NR, 65536), [&](int64_t p0, int64_t p1) {
-    float c[MR * NR];
-    std::vector<float> wbuf(widen ? static_cast<size_t>(K * NR) : 0);
-    for (int64_t m0 = 0; m0 < M; m0 += MC) {
-      const int64_t m1 = std::min(M, m0 + MC);
-      for (int64_t p = p0; p < p1; ++p) {
-        const uint8_t* qp = q + p * Kp * 8;
-        const float* smp = sm + p * groups * 2 * NR;
-        if (widen) widen_int4(qp, smp, K, G, wbuf.data());
-        const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
-        for (int64_t i = m0; i < m1; i += MR) {
-          const int64_t rows = std::min(MR, m1 - i);
-          if (widen)
-            tile(rows, xp.data() + i * K, wbuf.data(), K, c);
+  if (widen && int64_t(wbuf.size()) < K * NR) wbuf.resize(K * NR);
+  float c[MR * NR];
+  for (int64_t m0 = 0; m0 < M; m0 += MC) {
+    const int64_t m1 = std::min(M, m0 + MC);
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* qp = q + p * Kp * 8;
+      const float* smp = w.scale_min + p * groups * 2 * NR;
+      if (widen) widen_int4(qp, smp, K, G, wbuf.data());
+      const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
+      for (int64_t i = m0; i < m1; i += MR) {
+        const int64_t rows = std::min(MR, m1 - i);
+        if (widen)
+          tile(rows, in.xp.data() + i * K, wbuf.data(), K, c);
 #ifdef PC_AVX2
-          else
-            micro_kernel_int4(xp.data() + i * K, qp, smp, K, G, c);
+        else
+          micro_kernel_int4(in.xp.data() + i * K, qp, smp, K, G, c);
 #endif
-          store_tile(c, rows, ncols, bias, n0, y + i * N + n0, N);
-        }
+        store_tile(c, rows, ncols, w.bias, n0, y + i * N + n0, N);
       }
     }
+  }
+}
+
+template <typename X>
+void fill_input(const PackedWeight& w, const X* x, GemmInput& in, int64_t t0, int64_t t1) {
+  const int64_t K = w.K;
+  if (!in.int8) return pack_tiles(x, in.M, K, t0, t1, in.xp.data());
+  const int64_t G = w.group_size, blocks = K / QB, groups = K / G;  // tiles are rows here
+  quantize_rows(x + t0 * K, t1 - t0, K, G, in.xq.data() + t0 * K, in.d.data() + t0 * blocks,
+                in.xs.data() + t0 * groups);
+}
+
+template <typename X>
+void panels_of(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1, std::vector<float>& wbuf) {
+  switch (w.type) {
+    case at::kFloat: return dense_panels<X, float>(w, in, y, p0, p1, wbuf);
+    case at::kBFloat16: return dense_panels<X, c10::BFloat16>(w, in, y, p0, p1, wbuf);
+    case at::kByte:
+      if (in.int8) return int4_int8_panels<X>(w, in, y, p0, p1);
+      return int4_panels<X>(w, in, y, p0, p1, wbuf);
+    default: TORCH_CHECK(false, "packed weight type");
+  }
+}
+
+// One linear as a torch op: x prepared over the row tiles, then the panels split between threads
+// (each weight panel read by one thread only). Grain: about 64k multiply-adds per chunk, so a tiny
+// matmul runs inline.
+void run_linear(const PackedWeight& w, const torch::Tensor& x2, torch::Tensor& y) {
+  GemmInput in;
+  gemm_input_resize(w, x2.size(0), in);
+  const int64_t M = in.M;
+  at::parallel_for(0, gemm_input_tiles(in), grain_for((in.int8 ? 1 : MR) * w.K), [&](int64_t b, int64_t e) {
+    gemm_input_fill(w, x2.scalar_type(), x2.data_ptr(), in, b, e);
+  });
+  at::parallel_for(0, w.panels(), grain_for(M * w.K * NR, 65536), [&](int64_t p0, int64_t p1) {
+    std::vector<float> wbuf;
+    gemm_panels(w, in, x2.scalar_type(), y.data_ptr(), p0, p1, wbuf);
   });
 }
 }  // namespace
+
+void gemm_input_resize(const PackedWeight& w, int64_t M, GemmInput& in) {
+  const int64_t K = w.K;
+  in.M = M;
+  in.int8 = w.type == at::kByte && M <= w.int8_rows && w.group_size % QB == 0;
+  if (in.int8) {
+    in.xq.resize(M * K);
+    in.d.resize(M * (K / QB));
+    in.xs.resize(M * (K / w.group_size));
+  } else {
+    in.xp.resize(M * K);
+  }
+}
+
+int64_t gemm_input_tiles(const GemmInput& in) { return in.int8 ? in.M : (in.M + MR - 1) / MR; }
+
+void gemm_input_fill(const PackedWeight& w, at::ScalarType x_type, const void* x, GemmInput& in, int64_t t0,
+                     int64_t t1) {
+  if (x_type == at::kFloat) return fill_input(w, static_cast<const float*>(x), in, t0, t1);
+  TORCH_CHECK(x_type == at::kBFloat16, "x: float32 or bfloat16");
+  fill_input(w, static_cast<const c10::BFloat16*>(x), in, t0, t1);
+}
+
+void gemm_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0, int64_t p1,
+                 std::vector<float>& wbuf) {
+  if (x_type == at::kFloat) return panels_of(w, in, static_cast<float*>(y), p0, p1, wbuf);
+  TORCH_CHECK(x_type == at::kBFloat16, "x: float32 or bfloat16");
+  panels_of(w, in, static_cast<c10::BFloat16*>(y), p0, p1, wbuf);
+}
 
 torch::Tensor pack_linear_weight(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2, "weight: [N, K]");
@@ -523,21 +576,8 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_f
     TORCH_CHECK(b.numel() == N, "bias: [out_features]");
   }
   const float* pb = b.defined() ? b.data_ptr<float>() : nullptr;
-  if (M > 0) {
-    AT_DISPATCH_SWITCH(x2.scalar_type(), "packed_linear_x",
-      AT_DISPATCH_CASE(at::kFloat, [&] {
-        using X = scalar_t;
-        AT_DISPATCH_SWITCH(packed.scalar_type(), "packed_linear_w",
-          AT_DISPATCH_CASE(at::kFloat, [&] { gemm<X, scalar_t>(x2.data_ptr<X>(), packed.data_ptr<scalar_t>(), pb, y.data_ptr<X>(), M, N, K); })
-          AT_DISPATCH_CASE(at::kBFloat16, [&] { gemm<X, scalar_t>(x2.data_ptr<X>(), packed.data_ptr<scalar_t>(), pb, y.data_ptr<X>(), M, N, K); }));
-      })
-      AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        using X = scalar_t;
-        AT_DISPATCH_SWITCH(packed.scalar_type(), "packed_linear_w",
-          AT_DISPATCH_CASE(at::kFloat, [&] { gemm<X, scalar_t>(x2.data_ptr<X>(), packed.data_ptr<scalar_t>(), pb, y.data_ptr<X>(), M, N, K); })
-          AT_DISPATCH_CASE(at::kBFloat16, [&] { gemm<X, scalar_t>(x2.data_ptr<X>(), packed.data_ptr<scalar_t>(), pb, y.data_ptr<X>(), M, N, K); }));
-      }));
-  }
+  if (M > 0)
+    run_linear({packed.scalar_type(), packed.data_ptr(), nullptr, pb, N, K, 0, 0}, x2, y);
   return y.view(out_sizes);
 }
 
@@ -582,10 +622,7 @@ torch::Tensor packed_linear_int4(torch::Tensor x, torch::Tensor q, torch::Tensor
     TORCH_CHECK(b.numel() == N, "bias: [out_features]");
   }
   const float* pb = b.defined() ? b.data_ptr<float>() : nullptr;
-  if (M > 0) {
-    AT_DISPATCH_SWITCH(x2.scalar_type(), "packed_linear_int4",
-      AT_DISPATCH_CASE(at::kFloat, [&] { gemm_int4<scalar_t>(x2.data_ptr<scalar_t>(), q.data_ptr<uint8_t>(), sm.data_ptr<float>(), pb, y.data_ptr<scalar_t>(), M, N, K, G, int8_rows); })
-      AT_DISPATCH_CASE(at::kBFloat16, [&] { gemm_int4<scalar_t>(x2.data_ptr<scalar_t>(), q.data_ptr<uint8_t>(), sm.data_ptr<float>(), pb, y.data_ptr<scalar_t>(), M, N, K, G, int8_rows); }));
-  }
+  if (M > 0)
+    run_linear({at::kByte, q.data_ptr(), sm.data_ptr<float>(), pb, N, K, G, int8_rows}, x2, y);
   return y.view(out_sizes);
 }

@@ -11,22 +11,10 @@
 #include <cstring>
 #include <type_traits>
 
+#include "layer_rows.h"
+
 // No fused multiply-add where transformers rounds between the multiply and the add (fp32 path).
 #pragma GCC optimize("fp-contract=off")
-
-template <typename T>
-static inline float r(float x) {  // round to T, as each aten op's output does
-  return static_cast<float>(static_cast<T>(x));
-}
-
-// y = x.float() * rsqrt(mean(x.float()^2) + eps), rounded to x's dtype, then weight * y in x's dtype.
-template <typename T>
-static inline void rms_norm_row(const T* x, const T* w, T* out, int64_t h, float eps) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < h; ++i) { const float v = static_cast<float>(x[i]); ss += v * v; }
-  const float inv = 1.f / std::sqrt(ss / float(h) + eps);
-  for (int64_t i = 0; i < h; ++i) out[i] = static_cast<T>(static_cast<float>(w[i]) * r<T>(static_cast<float>(x[i]) * inv));
-}
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous(), "weight: x's dtype, contiguous");
@@ -56,11 +44,7 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
     const scalar_t *px = xc.data_ptr<scalar_t>(), *pr = rc.data_ptr<scalar_t>(), *pw = weight.data_ptr<scalar_t>();
     scalar_t *ps = sum.data_ptr<scalar_t>(), *pn = normed.data_ptr<scalar_t>();
     at::parallel_for(0, rows, grain_for(h), [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        for (int64_t j = 0; j < h; ++j)
-          ps[i * h + j] = static_cast<scalar_t>(static_cast<float>(px[i * h + j]) + static_cast<float>(pr[i * h + j]));
-        rms_norm_row(ps + i * h, pw, pn + i * h, h, float(eps));
-      }
+      for (int64_t i = begin; i < end; ++i) add_rms_norm_row(px + i * h, pr + i * h, pw, ps + i * h, pn + i * h, h, float(eps));
     });
   });
   return {sum, normed};
@@ -71,21 +55,8 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
 template <typename T>
 static void rope_rows(T* x, int64_t tokens, int64_t heads, int64_t d, int64_t s_tok, int64_t s_head, const T* cos,
                       const T* sin) {
-  const int64_t half = d / 2;
   at::parallel_for(0, tokens, grain_for(heads * d), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T *c = cos + t * d, *s = sin + t * d;
-      for (int64_t h = 0; h < heads; ++h) {
-        T* v = x + t * s_tok + h * s_head;
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = static_cast<float>(v[i]), x2 = static_cast<float>(v[i + half]);
-          const float o1 = r<T>(x1 * static_cast<float>(c[i])) + r<T>(-x2 * static_cast<float>(s[i]));
-          const float o2 = r<T>(x2 * static_cast<float>(c[i + half])) + r<T>(x1 * static_cast<float>(s[i + half]));
-          v[i] = static_cast<T>(o1);
-          v[i + half] = static_cast<T>(o2);
-        }
-      }
-    }
+    for (int64_t t = begin; t < end; ++t) rope_token(x + t * s_tok, heads, d, s_head, cos + t * d, sin + t * d);
   });
 }
 
@@ -108,11 +79,7 @@ static void silu_and_mul_rows(const T* g, const T* u, T* out, int64_t rows, int6
                               int64_t u_stride) {
   at::parallel_for(0, rows, grain_for(width), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row)
-      for (int64_t i = 0; i < width; ++i) {
-        const float x = static_cast<float>(g[row * g_stride + i]);
-        out[row * width + i] =
-            static_cast<T>(r<T>(x / (1.f + std::exp(-x))) * static_cast<float>(u[row * u_stride + i]));
-      }
+      silu_and_mul_row(g + row * g_stride, u + row * u_stride, out + row * width, width);
   });
 }
 

@@ -1,0 +1,302 @@
+// The decoder stack of a Llama-family model for a step of decode rows, as one call: every layer's
+// RMSNorms, q/k/v, RoPE, KV-cache write, paged attention, o, gate/up, SiLU x up and down, run by the
+// same threads in one parallel region, with a barrier between dependent phases.
+//
+// Why: at a few rows a step is bound by reading the weights, yet the layer-by-layer path (lean_layers.py)
+// spent a third of a bf16 step outside its matmuls: ~10 Python-dispatched ops per layer, each paying
+// the op's dispatch, its output's allocation and a thread fork/join, and each matmul starting a cold
+// prefetch stream. Here the threads stay up for the whole stack and a phase costs a barrier (~1 us).
+// The phases are the functions the torch ops run (decode_stack_parts.h, layer_rows.h), so results
+// equal the layer-by-layer path's bit for bit (same kernels, same split of work per thread count).
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "decode_stack_parts.h"
+#include "layer_rows.h"
+
+namespace {
+
+constexpr int64_t TILE = 6;  // rows per GEMM input tile (cpu_gemm.cpp's MR): one thread prepares a tile
+
+struct StackLinear {
+  PackedWeight w;
+  std::vector<torch::Tensor> keep;  // the tensors w points into
+};
+
+struct StackLayer {
+  torch::Tensor in_norm, post_norm, k_cache, v_cache;
+  float in_eps, post_eps, scale;
+  int64_t window;
+  StackLinear qkv, o, gate_up, down;
+};
+
+// [begin, end) of `count` items for thread `tid` of `nth`, contiguous, in units of `unit`.
+inline std::pair<int64_t, int64_t> share(int64_t count, int64_t tid, int64_t nth, int64_t unit = 1) {
+  const int64_t units = (count + unit - 1) / unit, per = (units + nth - 1) / nth;
+  const int64_t b = std::min(count, tid * per * unit), e = std::min(count, (tid + 1) * per * unit);
+  return {b, e};
+}
+
+StackLinear make_linear(torch::Tensor packed, c10::optional<torch::Tensor> scale_min, c10::optional<torch::Tensor> bias,
+                        int64_t out_features, int64_t group_size, int64_t int8_rows) {
+  StackLinear l;
+  TORCH_CHECK(packed.is_contiguous() && packed.dim() == 3, "packed weight: contiguous panels");
+  l.keep.push_back(packed);
+  const float* sm = nullptr;
+  int64_t K = packed.size(1);
+  if (packed.scalar_type() == at::kByte) {
+    TORCH_CHECK(scale_min.has_value() && scale_min->is_contiguous() && scale_min->scalar_type() == at::kFloat,
+                "int4 weight: fp32 scale/min panels");
+    l.keep.push_back(*scale_min);
+    sm = scale_min->data_ptr<float>();
+    K = scale_min->size(1) * group_size;
+  } else {
+    TORCH_CHECK(packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16, "packed weight dtype");
+  }
+  const float* pb = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    auto b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == out_features, "bias: [out_features]");
+    l.keep.push_back(b);
+    pb = b.data_ptr<float>();
+  }
+  TORCH_CHECK(packed.size(0) * 16 >= out_features, "out_features larger than the packed weight");
+  l.w = {packed.scalar_type(), packed.data_ptr(), sm, pb, out_features, K, group_size, int8_rows};
+  return l;
+}
+
+class DecodeStack {
+ public:
+  DecodeStack(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate)
+      : H_(hidden), hq_(heads), hkv_(kv_heads), d_(head_dim), I_(intermediate) {}
+
+  // One layer; each linear as (packed, scale_min or None, bias or None, out_features, group_size, int8_rows).
+  void add_layer(torch::Tensor in_norm, double in_eps, torch::Tensor post_norm, double post_eps, double scale,
+                 int64_t window, torch::Tensor k_cache, torch::Tensor v_cache, py::tuple qkv, py::tuple o,
+                 py::tuple gate_up, py::tuple down) {
+    TORCH_CHECK(in_norm.is_contiguous() && post_norm.is_contiguous() && in_norm.numel() == H_, "norm weights");
+    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+                    k_cache.size(2) == hkv_ && k_cache.size(3) == d_ && k_cache.sizes() == v_cache.sizes(),
+                "KV caches [num_blocks, block_size, Hkv, D], contiguous");
+    StackLayer l{in_norm, post_norm, k_cache, v_cache, float(in_eps), float(post_eps), float(scale), window,
+                 linear(qkv), linear(o), linear(gate_up), linear(down)};
+    const int64_t q = hq_ * d_, kv = hkv_ * d_;
+    TORCH_CHECK(l.qkv.w.N == q + 2 * kv && l.qkv.w.K == H_ && l.o.w.N == H_ && l.o.w.K == q &&
+                    l.gate_up.w.N == 2 * I_ && l.gate_up.w.K == H_ && l.down.w.N == H_ && l.down.w.K == I_,
+                "linear shapes do not match the stack");
+    if (!layers_.empty()) {  // one GemmInput per projection serves every layer
+      const StackLayer& f = layers_.front();
+      auto same = [](const PackedWeight& a, const PackedWeight& b) {
+        return a.type == b.type && a.group_size == b.group_size && a.int8_rows == b.int8_rows;
+      };
+      TORCH_CHECK(same(f.qkv.w, l.qkv.w) && same(f.o.w, l.o.w) && same(f.gate_up.w, l.gate_up.w) &&
+                      same(f.down.w, l.down.w) && f.k_cache.sizes() == l.k_cache.sizes() &&
+                      f.k_cache.scalar_type() == l.k_cache.scalar_type(),
+                  "every layer's projections must share their weight format and KV cache layout");
+    }
+    layers_.push_back(std::move(l));
+  }
+
+  // hidden [T, H] (the embeddings); cos, sin [T, D]; slot_mapping int64 [T]; block_table int32 [T, max_blocks],
+  // seq_lens int32 [T]: every row is one decode query (row t of sequence t). int8_rows: for int4 linears
+  // added with int8_rows -1, up to how many rows their activations are quantized to int8 this step.
+  // Returns the residual stream after the last layer (before the final norm).
+  torch::Tensor forward(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
+                        torch::Tensor rows, torch::Tensor block_table, torch::Tensor seq_lens, int64_t int8_rows) {
+    TORCH_CHECK(!layers_.empty(), "no layers");
+    const auto dtype = hidden.scalar_type();
+    const int64_t T = hidden.size(0);
+    TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == H_, "hidden: [T, hidden]");
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "hidden: float32 or bfloat16");
+    TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype && cos.is_contiguous() &&
+                    sin.is_contiguous() && cos.numel() == T * d_ && sin.numel() == T * d_,
+                "cos, sin: [T, head_dim] in hidden's dtype");
+    TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T, "slot_mapping int64 [T]");
+    TORCH_CHECK(rows.scalar_type() == at::kLong && rows.numel() == T, "rows int64 [T]");
+    TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() && block_table.size(0) == T,
+                "block_table int32 [T, max_blocks]");
+    TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.numel() == T, "seq_lens int32 [T]");
+    const auto& first = layers_.front();
+    TORCH_CHECK(first.k_cache.scalar_type() == dtype && first.in_norm.scalar_type() == dtype,
+                "KV cache and norm weights in hidden's dtype");
+    const int64_t num_slots = first.k_cache.size(0) * first.k_cache.size(1);
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    const int64_t* row_ids = rows.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " out of range (", num_slots, ")");
+      TORCH_CHECK(row_ids[t] == t, "every row must be its own sequence's one query");
+    }
+    auto opts = hidden.options();
+    const int64_t W = (hq_ + 2 * hkv_) * d_;
+    Buffers b{hidden.clone(), torch::empty({T, H_}, opts), torch::empty({T, W}, opts),
+              torch::empty({T, hq_ * d_}, opts), torch::empty({T, H_}, opts), torch::empty({T, 2 * I_}, opts),
+              torch::empty({T, I_}, opts), torch::empty({T, H_}, opts)};
+    const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), omp_get_max_threads()));
+    auto attention = plan_attention(b, block_table, seq_lens, rows, nth);
+    std::vector<Weights> weights;
+    weights.reserve(layers_.size());
+    auto resolve = [&](PackedWeight w) {
+      if (w.int8_rows < 0) w.int8_rows = int8_rows;
+      return w;
+    };
+    for (const auto& l : layers_)
+      weights.push_back({resolve(l.qkv.w), resolve(l.o.w), resolve(l.gate_up.w), resolve(l.down.w)});
+    GemmInput in_qkv, in_o, in_gu, in_down;
+    gemm_input_resize(weights[0].qkv, T, in_qkv);
+    gemm_input_resize(weights[0].o, T, in_o);
+    gemm_input_resize(weights[0].gate_up, T, in_gu);
+    gemm_input_resize(weights[0].down, T, in_down);
+    Inputs in{in_qkv, in_o, in_gu, in_down};
+    if (dtype == at::kFloat)
+      run<float>(b, in, weights, attention, cos, sin, slots, T, nth);
+    else
+      run<c10::BFloat16>(b, in, weights, attention, cos, sin, slots, T, nth);
+    return b.residual;
+  }
+
+  int64_t num_layers() const { return int64_t(layers_.size()); }
+
+ private:
+  struct Buffers {
+    torch::Tensor residual, normed, qkv, attn, o, gate_up, act, down;
+  };
+  struct Inputs {
+    GemmInput &qkv, &o, &gate_up, &down;
+  };
+  struct Weights {  // a layer's linears with this step's int8_rows
+    PackedWeight qkv, o, gate_up, down;
+  };
+
+  static StackLinear linear(const py::tuple& spec) {
+    TORCH_CHECK(spec.size() == 6, "linear: (packed, scale_min, bias, out_features, group_size, int8_rows)");
+    auto opt = [](const py::handle& h) {
+      return h.is_none() ? c10::optional<torch::Tensor>() : c10::optional<torch::Tensor>(h.cast<torch::Tensor>());
+    };
+    return make_linear(spec[0].cast<torch::Tensor>(), opt(spec[1]), opt(spec[2]), spec[3].cast<int64_t>(),
+                       spec[4].cast<int64_t>(), spec[5].cast<int64_t>());
+  }
+
+  // One attention plan per layer (layers differ in cache and window); the split of work depends only on
+  // the lengths, the window and the thread count, as in the torch op.
+  std::vector<DecodeAttention> plan_attention(Buffers& b, const torch::Tensor& block_table,
+                                              const torch::Tensor& seq_lens, const torch::Tensor& rows, int64_t nth) {
+    std::vector<DecodeAttention> plans;
+    plans.reserve(layers_.size());
+    const int64_t T = b.qkv.size(0), W = b.qkv.size(1);
+    for (const auto& l : layers_) {
+      DecodeAttention a{b.qkv.scalar_type(), l.k_cache.scalar_type(), b.qkv.data_ptr(), l.k_cache.data_ptr(),
+                        l.v_cache.data_ptr(), block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                        rows.data_ptr<int64_t>(), b.attn.data_ptr(), T, hq_, hkv_, d_, l.k_cache.size(1),
+                        block_table.size(1), W, d_, l.scale, l.window, 0.f, l.k_cache.stride(0), nullptr, nullptr, 0};
+      const DecodeAttention* same = nullptr;
+      for (const auto& p : plans)
+        if (p.window == l.window) same = &p;
+      if (same != nullptr) {
+        a.items = same->items;
+        a.partial.assign(same->partial.size(), 0.f);
+        a.has_split = same->has_split;
+      } else {
+        a.plan(nth);
+      }
+      plans.push_back(std::move(a));
+    }
+    return plans;
+  }
+
+  template <typename X>
+  void run(Buffers& b, Inputs& in, const std::vector<Weights>& weights, std::vector<DecodeAttention>& attention, const torch::Tensor& cos_t,
+           const torch::Tensor& sin_t, const int64_t* slots, int64_t T, int64_t nth) {
+    X *res = b.residual.data_ptr<X>(), *h = b.normed.data_ptr<X>(), *qkv = b.qkv.data_ptr<X>();
+    X *attn = b.attn.data_ptr<X>(), *o = b.o.data_ptr<X>(), *gu = b.gate_up.data_ptr<X>();
+    X *act = b.act.data_ptr<X>(), *down = b.down.data_ptr<X>();
+    const X *cos = cos_t.data_ptr<X>(), *sin = sin_t.data_ptr<X>();
+    const auto xt = b.residual.scalar_type();
+    const int64_t H = H_, d = d_, q_width = hq_ * d_, kv_width = hkv_ * d_, W = q_width + 2 * kv_width, I = I_;
+    const int64_t row_bytes = kv_width * int64_t(sizeof(X));
+#pragma omp parallel num_threads(nth)
+    {
+      const int64_t tid = omp_get_thread_num(), n = omp_get_num_threads();
+      std::vector<float> wbuf;
+      // Rows of this thread in whole GEMM input tiles, so it also prepares those tiles (no barrier between).
+      const auto [r0, r1] = share(T, tid, n, TILE);
+      auto fill = [&](const PackedWeight& w, GemmInput& g, const X* x) {
+        if (r0 < r1) gemm_input_fill(w, xt, x, g, g.int8 ? r0 : r0 / TILE, g.int8 ? r1 : (r1 + TILE - 1) / TILE);
+      };
+      auto matmul = [&](const PackedWeight& w, const GemmInput& g, X* y) {
+        const auto [p0, p1] = share(w.panels(), tid, n);
+        if (p0 < p1) gemm_panels(w, g, xt, y, p0, p1, wbuf);
+#pragma omp barrier
+      };
+      for (size_t li = 0; li < layers_.size(); ++li) {
+        const StackLayer& l = layers_[li];
+        const Weights& w = weights[li];
+        const X *in_w = l.in_norm.data_ptr<X>(), *post_w = l.post_norm.data_ptr<X>();
+        // The previous layer's residual add (down), then this layer's input norm; the q/k/v input.
+        for (int64_t t = r0; t < r1; ++t) {
+          if (li == 0)
+            rms_norm_row(res + t * H, in_w, h + t * H, H, l.in_eps);
+          else
+            add_rms_norm_row(res + t * H, down + t * H, in_w, res + t * H, h + t * H, H, l.in_eps);
+        }
+        fill(w.qkv, in.qkv, h);
+#pragma omp barrier
+        matmul(w.qkv, in.qkv, qkv);
+        // RoPE on q and k, then k and v into the cache.
+        for (int64_t t = r0; t < r1; ++t) {
+          X* row = qkv + t * W;
+          rope_token(row, hq_, d, d, cos + t * d, sin + t * d);
+          rope_token(row + q_width, hkv_, d, d, cos + t * d, sin + t * d);
+          std::memcpy(static_cast<char*>(l.k_cache.data_ptr()) + slots[t] * row_bytes, row + q_width, row_bytes);
+          std::memcpy(static_cast<char*>(l.v_cache.data_ptr()) + slots[t] * row_bytes, row + q_width + kv_width,
+                      row_bytes);
+        }
+#pragma omp barrier
+        DecodeAttention& a = attention[li];
+        const auto [i0, i1] = share(int64_t(a.items.size()), tid, n);
+        if (i0 < i1) a.run(i0, i1);
+#pragma omp barrier
+        if (a.has_split) {
+          if (tid == 0) a.combine();
+#pragma omp barrier
+        }
+        fill(w.o, in.o, attn);
+#pragma omp barrier
+        matmul(w.o, in.o, o);
+        for (int64_t t = r0; t < r1; ++t) add_rms_norm_row(res + t * H, o + t * H, post_w, res + t * H, h + t * H, H, l.post_eps);
+        fill(w.gate_up, in.gate_up, h);
+#pragma omp barrier
+        matmul(w.gate_up, in.gate_up, gu);
+        for (int64_t t = r0; t < r1; ++t) silu_and_mul_row(gu + t * 2 * I, gu + t * 2 * I + I, act + t * I, I);
+        fill(w.down, in.down, act);
+#pragma omp barrier
+        matmul(w.down, in.down, down);
+      }
+      // The last layer's residual add.
+      for (int64_t t = r0; t < r1; ++t)
+        for (int64_t j = 0; j < H; ++j)
+          res[t * H + j] = static_cast<X>(static_cast<float>(res[t * H + j]) + static_cast<float>(down[t * H + j]));
+    }
+  }
+
+  int64_t H_, hq_, hkv_, d_, I_;
+  std::vector<StackLayer> layers_;
+};
+
+}  // namespace
+
+void bind_decode_stack(py::module& m) {
+  py::class_<DecodeStack>(m, "DecodeStack",
+                          "A Llama-family decoder stack over packed weights, run for decode rows in one call")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t>(), py::arg("hidden"), py::arg("heads"),
+           py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"))
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("num_layers", &DecodeStack::num_layers);
+}

@@ -1,0 +1,68 @@
+// The pieces of the CPU ops that the decoder stack (cpu_decode_stack.cpp) runs inside one parallel
+// region: each splits its work by an explicit range, so the caller decides which thread does what
+// (the torch ops wrap the same functions in at::parallel_for).
+#pragma once
+#include <torch/extension.h>
+
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <vector>
+
+// ---- paged decode attention (cpu_decode_attention.cpp) ----------------------------------------
+struct DecodeItem {
+  int64_t seq, p0, p1;  // positions [p0, p1) of sequence seq, all heads
+  int64_t slot;         // partial-result slot when the sequence is split, else -1
+};
+
+struct DecodeAttention {
+  at::ScalarType query_type, cache_type;
+  const void *query, *k_cache, *v_cache;
+  const int32_t* block_table;
+  const int32_t* seq_lens;
+  const int64_t* rows;
+  void* out;  // [n, hq, d] in the query's dtype
+  int64_t n, hq, hkv, d, block_size, max_blocks, q_row_stride, q_head_stride;
+  float scale;
+  int64_t window;
+  float softcap;
+  int64_t block_stride;
+  const c10::Half *k_scales, *v_scales;
+  int64_t scale_block_stride;
+  // The plan: work items (sequences or their partitions), partial results of split ones.
+  std::vector<DecodeItem> items;
+  std::vector<float> partial;
+  bool has_split = false;
+  int64_t grain = 1;
+
+  void plan(int64_t threads);
+  void run(int64_t begin, int64_t end) const;  // items [begin, end)
+  void combine() const;                        // split sequences' partitions -> out (one thread)
+};
+
+// ---- linears over packed weights (cpu_gemm.cpp) -----------------------------------------------
+struct PackedWeight {
+  at::ScalarType type;  // kFloat / kBFloat16 panels, or kByte: int4 panels with fp32 scale/min panels
+  const void* w;
+  const float* scale_min;  // int4 only
+  const float* bias;       // fp32 [N] or nullptr
+  int64_t N, K, group_size, int8_rows;
+  int64_t panels() const { return (N + 15) / 16; }
+};
+
+// x prepared once per call for every panel: fp32 row tiles, or int8 blocks for the int4 decode kernel.
+struct GemmInput {
+  int64_t M = 0;
+  bool int8 = false;
+  std::vector<float> xp, d, xs;
+  std::vector<int8_t> xq;
+};
+
+// Size `in` for M rows of x against w; then fill it by tiles [t0, t1) of gemm_input_tiles(...).
+void gemm_input_resize(const PackedWeight& w, int64_t M, GemmInput& in);
+int64_t gemm_input_tiles(const GemmInput& in);
+void gemm_input_fill(const PackedWeight& w, at::ScalarType x_type, const void* x, GemmInput& in, int64_t t0,
+                     int64_t t1);
+// y[:, panels p0..p1) for all M rows; y [M, N] in x_type. wbuf: the thread's scratch.
+void gemm_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0, int64_t p1,
+                 std::vector<float>& wbuf);

@@ -1,0 +1,146 @@
+"""The decoder stack at decode as one C++ call (kernels/csrc/cpu_decode_stack.cpp), on the CPU.
+
+At a few rows a step is bound by reading the weights, yet layer by layer (lean_layers.py) a bf16 step
+still spent about a third of its time outside the matmuls: ~10 Python-dispatched ops per layer, each
+with its dispatch, an output allocation and a thread fork/join. The stack runs every layer's norms,
+projections, RoPE, cache write and paged attention in one parallel region (a barrier between phases),
+over the very weights the engine packed (packed_linear.py, quantization.py, fused by
+fused_projections.py), so its results equal the layer-by-layer path's bit for bit.
+
+It is built from what the engine installed and used only while all of it is still in place: anything
+that replaces a projection or a layer's forward afterwards (a LoRA layer, a plugin) turns it off, as do
+steps it does not run (prefill rows, a quantized KV cache, another attention backend): those go layer by
+layer. `EngineConfig.decode_stack=False` turns it off altogether.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedcore import fused_projections, lean_layers, quantization
+from pagedcore.kernels import cpu_ext, kv_quant
+from pagedcore.kernels.cpu_attention import ExtDecodePlan, _ext_plan
+from pagedcore.quantization import Int4Linear
+
+logger = logging.getLogger("pagedcore")
+
+SUPPORTED_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+QKV, GATE_UP = fused_projections.GROUPS[0][1], fused_projections.GROUPS[1][1]
+
+
+@dataclass(frozen=True)
+class _Installed:
+    """A module the stack runs in its own way: still `parent.name`, still with the forward it had."""
+
+    parent: nn.Module
+    name: str
+    module: nn.Module
+    forward: object
+
+    @classmethod
+    def of(cls, parent: nn.Module, name: str) -> "_Installed":
+        module = getattr(parent, name)
+        return cls(parent, name, module, module.__dict__.get("forward"))
+
+    def intact(self) -> bool:
+        return getattr(self.parent, self.name) is self.module and self.module.__dict__.get("forward") is self.forward
+
+
+class DecodeStack:
+    def __init__(self, ext, model: nn.Module, kv_caches: list, head_dim: int):
+        self.model, self.base, self.kv_caches, self.head_dim = model, model.model, kv_caches, head_dim
+        c = model.config.get_text_config()
+        self.stack = ext.DecodeStack(c.hidden_size, c.num_attention_heads, kv_caches[0][0].shape[2], head_dim,
+                                     c.intermediate_size)
+        self.installed: list[_Installed] = []
+        for layer, (k_cache, v_cache) in zip(self.base.layers, kv_caches):
+            self._add_layer(layer, k_cache, v_cache)
+
+    @classmethod
+    def build(cls, model: nn.Module, kv_caches: list, backend, device: torch.device) -> "DecodeStack | None":
+        """The stack over `model`'s installed layers, or None (with the reason logged) where it cannot run."""
+        ext = cpu_ext.load() if device.type == "cpu" else None
+        reason = _unsupported(ext, model, kv_caches, backend)
+        if reason is None:
+            try:
+                return cls(ext, model, kv_caches, kv_caches[0][0].shape[3])
+            except (RuntimeError, ValueError, TypeError) as e:  # a layout the kernel rejects
+                reason = str(e).splitlines()[0]
+        logger.info("decode stack off: %s", reason)
+        return None
+
+    def _add_layer(self, layer: nn.Module, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, gate_up = fused_projections.get(attn, QKV), fused_projections.get(mlp, GATE_UP)
+        if qkv is None or gate_up is None:
+            raise ValueError(f"layer {attn.layer_idx}: q/k/v or gate/up not fused")
+        window = lean_layers.SUPPORTED_LAYERS[type(layer).__name__](attn) or 0
+        norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm
+        self.stack.add_layer(norm_in.weight.detach(), norm_in.variance_epsilon, norm_post.weight.detach(),
+                             norm_post.variance_epsilon, attn.scaling, window, k_cache, v_cache, qkv.spec,
+                             _linear_spec(attn.o_proj), gate_up.spec, _linear_spec(mlp.down_proj))
+        self.installed += [_Installed.of(layer.self_attn, n) for n in (*QKV, "o_proj")]
+        self.installed += [_Installed.of(layer.mlp, n) for n in (*GATE_UP, "down_proj")]
+        self.installed += [_Installed.of(self.base.layers, str(attn.layer_idx)),
+                           _Installed.of(layer, "self_attn"), _Installed.of(layer, "mlp")]
+
+    def plan(self, ctx, num_tokens: int) -> ExtDecodePlan | None:
+        """This step's decode plan if the stack runs it: every row one sequence's only query, nothing replaced."""
+        md = ctx.metadata.common if hasattr(ctx.metadata, "common") else None
+        if md is None or ctx.lora_mapping is not None or ctx.kv_caches is not self.kv_caches:
+            return None
+        qsl = md.query_start_loc_cpu
+        if not 0 < len(qsl) - 1 == qsl[-1] == num_tokens or not all(i.intact() for i in self.installed):
+            return None
+        return _ext_plan(md, ctx.metadata.decode_plans)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, ctx,
+                 plan: ExtDecodePlan) -> torch.Tensor | None:
+        """Logits [len(logits_indices), vocab], as the model's forward gives them; None if the step's rotary
+        embedding is not over the whole head (the layers' own forward then runs it)."""
+        hidden = self.base.embed_tokens(input_ids)
+        cos, sin = self.base.rotary_emb(hidden[None], positions[None])
+        if cos.shape[-1] != self.head_dim or cos.dtype != hidden.dtype:
+            return None
+        out = self.stack.forward(hidden, cos[0].contiguous(), sin[0].contiguous(), ctx.metadata.common.slot_mapping,
+                                 plan.rows, plan.block_table, plan.seq_lens, quantization.INT8_ACTIVATION_ROWS)
+        return self.model.lm_head(self.base.norm(out[logits_indices]))
+
+
+def _linear_spec(module: nn.Module) -> tuple:
+    """(packed, scale_min, bias, out_features, group_size, int8_rows) of a packed or int4 linear."""
+    bias = None if module.bias is None else module.bias.detach()
+    if type(module) is nn.Linear and getattr(module, "_pagedcore_packed", None) is not None:
+        return module._pagedcore_packed, None, bias, module.out_features, 0, 0
+    if type(module) is Int4Linear and module.ext is not None and module.input_perm is None:
+        return (module.packed, module.scales_and_zeros, bias, module.out_features, module.group_size,
+                -1 if module.int8_activations else 0)
+    raise ValueError(f"{type(module).__name__} is neither a packed nor an int4 linear")
+
+
+def _unsupported(ext, model: nn.Module, kv_caches: list, backend) -> str | None:
+    """Why the stack cannot run this model, or None."""
+    if ext is None or not hasattr(ext, "DecodeStack"):
+        return "no C++ CPU ops"
+    if type(model).__name__ not in SUPPORTED_MODELS:
+        return f"{type(model).__name__} is not one of {', '.join(SUPPORTED_MODELS)}"
+    if getattr(backend, "name", None) != "torch":
+        return f"attention backend {getattr(backend, 'name', backend)!r} (the stack runs the C++ paged attention)"
+    if not kv_caches or any(kv_quant.layout_of(k) is not None for k, _ in kv_caches):
+        return "quantized KV cache"
+    hooked = [m for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+    if hooked or nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return f"forward hooks on {type(hooked[0]).__name__ if hooked else 'every module'} (the stack would skip them)"
+    dtype = model.model.embed_tokens.weight.dtype if model.model.embed_tokens.weight.numel() else None
+    layers = getattr(model.model, "layers", [])
+    if len(layers) != len(kv_caches) or not all(
+            "_lean_forward" in getattr(layer.__dict__.get("forward"), "__qualname__", "") for layer in layers):
+        return "not every decoder layer runs the lean forward"
+    dtypes = {k.dtype for k, _ in kv_caches} | {layer.input_layernorm.weight.dtype for layer in layers}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in (torch.float32, torch.bfloat16) or dtype not in (None, *dtypes):
+        return f"dtypes {sorted(map(str, dtypes))} (one of float32 / bfloat16 for weights and KV cache)"
+    return None

@@ -1,0 +1,145 @@
+"""The decoder stack as one C++ call at decode (pagedcore/decode_stack.py) against the layer-by-layer path:
+the same kernels in the same split of work, so tokens and logprobs must be equal, not merely close."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedcore import LLMEngine, SamplingParams
+from pagedcore.decode_stack import DecodeStack
+
+PROMPTS = [list(range(100 + 3 * i, 121 + 11 * i)) for i in range(6)]  # 21..76 tokens: several blocks
+GREEDY = SamplingParams(temperature=0, max_tokens=20, logprobs=2, ignore_eos=True)
+
+
+@pytest.fixture
+def stack_steps(monkeypatch):
+    """One entry per step the stack was asked to run: whether it returned logits."""
+    calls = []
+    original = DecodeStack.__call__
+
+    def counted(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(DecodeStack, "__call__", counted)
+    return calls
+
+
+def _run(model_dir, prompts=PROMPTS, params=GREEDY, **settings):
+    """Each request's outputs as (token ids, logprobs per token); the engine after all finished."""
+    settings.setdefault("max_num_seqs", 8)
+    engine = LLMEngine(model=str(model_dir), **settings)
+    ids = [engine.add_request(None, p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = [(c.token_ids, [{t: lp.logprob for t, lp in s.items()} for s in c.logprobs])
+                                        for c in out.outputs]
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks, "KV blocks leaked"
+    return engine, [done[i] for i in ids]
+
+
+def _compare(model_dir, stack_steps, params=GREEDY, prompts=PROMPTS, **settings):
+    on, got = _run(model_dir, prompts, params, decode_stack=True, **settings)
+    assert on.runner.decode_stack is not None
+    ran = sum(stack_steps)
+    assert ran >= params.max_tokens - 1, f"the stack ran {ran} steps"
+    off, want = _run(model_dir, prompts, params, decode_stack=False, **settings)
+    assert off.runner.decode_stack is None
+    assert got == want
+    return got
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])  # mistral: sliding window 24; qwen2: q/k/v bias
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stack_tokens_and_logprobs_equal_layered(tiny_model_dir, stack_steps, arch, dtype):
+    _compare(tiny_model_dir(arch), stack_steps, dtype=dtype)
+
+
+def test_stack_int4_equals_layered(tiny_model_dir, stack_steps):
+    _compare(tiny_model_dir("llama"), stack_steps, dtype="bfloat16", quantization="int4")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_stack_long_context_split_attention(tiny_model_dir, stack_steps, threads):
+    """Contexts of 300+ tokens: with 2 threads a sequence's positions split between them (flash-decoding)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        prompts = [list(range(100, 420)), list(range(200, 230))]
+        _compare(tiny_model_dir("llama"), stack_steps, prompts=prompts, dtype="float32")
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_stack_with_preemption_prefix_hits_and_n(tiny_model_dir, stack_steps):
+    """A pool of 12 blocks forces preemption; shared prompt prefixes hit the cache; n=2 forks share blocks."""
+    prefix = list(range(300, 340))
+    prompts = [prefix + list(range(500 + 10 * i, 510 + 10 * i)) for i in range(4)]
+    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=24, logprobs=1, ignore_eos=True)
+    _compare(tiny_model_dir("llama"), stack_steps, params=params, prompts=prompts, num_kv_blocks=12)
+
+
+def test_stack_matches_transformers_greedy(tiny_model_dir, stack_steps):
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import hf_greedy
+
+    model_dir = tiny_model_dir("llama")
+    engine, got = _run(model_dir, PROMPTS[:2], decode_stack=True, dtype="float32")
+    assert any(stack_steps)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for prompt, [(tokens, _)] in zip(PROMPTS[:2], got):
+        want, _ = hf_greedy(hf, prompt, GREEDY.max_tokens)
+        assert tokens == want
+
+
+def test_stack_steps_aside_for_a_replaced_projection(tiny_model_dir, stack_steps):
+    """A module replaced after the engine started (a plugin, an adapter) wins: the step goes layer by layer."""
+    engine = LLMEngine(model=str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=4)
+    layer = engine.model.model.layers[1]
+    original = layer.mlp.down_proj
+    calls = []
+
+    class Counted(torch.nn.Module):
+        def forward(self, x):
+            calls.append(x.shape)
+            return original(x)
+
+    layer.mlp.down_proj = Counted()
+    engine.add_request(None, PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(calls) == 4 and not stack_steps  # prefill + 3 decode steps, none through the stack
+
+
+def test_stack_off_where_it_cannot_run(tiny_model_dir):
+    model_dir = str(tiny_model_dir("llama"))
+    assert LLMEngine(model=model_dir, kv_cache_dtype="int8", max_num_seqs=2).runner.decode_stack is None
+    assert LLMEngine(model=model_dir, pack_weights=False, max_num_seqs=2).runner.decode_stack is None
+    assert LLMEngine(model=model_dir, enable_lora=True, max_num_seqs=2).runner.decode_stack is None
+    assert LLMEngine(model=str(tiny_model_dir("phi3")), max_num_seqs=2).runner.decode_stack is None
+
+
+def test_stack_rejects_what_it_cannot_run(ext):
+    """Layouts it does not take raise a clear error before any thread starts (never a crash inside)."""
+    stack = ext.DecodeStack(hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=32)
+    w = lambda n, k: (ext.pack_linear_weight(torch.randn(n, k)), None, None, n, 0, 0)  # noqa: E731
+    cache = torch.zeros(4, 16, 1, 16)
+    norm = torch.ones(32)
+    with pytest.raises(RuntimeError, match="linear shapes"):
+        stack.add_layer(norm, 1e-6, norm, 1e-6, 0.25, 0, cache, cache.clone(), w(48, 32), w(32, 32), w(32, 32),
+                        w(32, 32))
+    stack.add_layer(norm, 1e-6, norm, 1e-6, 0.25, 0, cache, cache.clone(), w(64, 32), w(32, 32), w(64, 32), w(32, 32))
+    hidden, cs = torch.randn(1, 32), torch.ones(1, 16)
+    table, lens = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="out of range"):
+        stack.forward(hidden, cs, cs, torch.tensor([64]), torch.tensor([0]), table, lens, 0)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        stack.forward(hidden.double(), cs, cs, torch.tensor([0]), torch.tensor([0]), table, lens, 0)
+    out = stack.forward(hidden, cs, cs, torch.tensor([0]), torch.tensor([0]), table, lens, 0)
+    assert out.shape == (1, 32) and torch.isfinite(out).all()
