@@ -21,6 +21,10 @@
 #include "decode_stack_parts.h"
 #include "layer_rows.h"
 
+// As in cpu_layer_ops.cpp: no fused multiply-add where transformers rounds between the multiply and the
+// add. The row ops of layer_rows.h are inlined here, and carry the caller's contraction setting with them.
+#pragma GCC optimize("fp-contract=off")
+
 namespace {
 
 constexpr int64_t TILE = 6;  // rows per GEMM input tile (cpu_gemm.cpp's MR): one thread prepares a tile
