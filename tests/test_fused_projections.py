@@ -138,7 +138,8 @@ def test_engine_tokens_equal_with_and_without_fusing(ext, monkeypatch, tiny_mode
     for fuse in (True, False):
         if not fuse:
             monkeypatch.setattr(fused_projections, "install", lambda model, device: 0)
-        llm = LLM(str(tiny_model_dir("llama")), dtype=dtype, num_kv_blocks=64)
+        # Layer by layer (the decode stack runs the fused weights in C++: tests/test_decode_stack.py).
+        llm = LLM(str(tiny_model_dir("llama")), dtype=dtype, num_kv_blocks=64, decode_stack=False)
         layer = llm.engine.model.model.layers[0]
         assert (fused_projections.get(layer.self_attn, QKV) is not None) == fuse
         runs[fuse] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
