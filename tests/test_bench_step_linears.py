@@ -22,9 +22,14 @@ def test_step_profile_parts_add_up_and_instrumentation_is_removed(tiny_model_dir
         assert all(f.run is not r for f, r in zip(fused, runs))
     rows = step_profile.run(engine, batches=(1, 4), read_gbs=10.0, matmul_tflops=0.05, prompt_len=20, steps=3)
     for row in rows:
-        parts = [row[p] for p in step_profile.PARTS]
-        assert all(v >= 0 for v in parts if v is not None) and row["gemm"] > 0 and row["attention"] > 0
-        assert sum(parts) == pytest.approx(row["step_ms"], rel=0.05, abs=0.1)
+        # The decode stack's step (GEMMs, attention inside one call), then the same batch layer by layer.
+        assert row["decode_stack"] and row["gemm"] is None and row["attention"] is None
+        layered = row["layered"]
+        assert not layered["decode_stack"] and layered["gemm"] > 0 and layered["attention"] > 0
+        for r in (row, layered):
+            parts = [r[p] for p in step_profile.PARTS]
+            assert all(v >= 0 for v in parts if v is not None)
+            assert sum(v for v in parts if v is not None) == pytest.approx(r["step_ms"], rel=0.05, abs=0.1)
         assert row["weight_read_ms"] > 0 and row["matmul_ms"] > 0
     assert rows[1]["matmul_ms"] == pytest.approx(4 * rows[0]["matmul_ms"], rel=0.05)
     # Nothing of the timers stays behind: same forwards, sampler and runner methods as before.

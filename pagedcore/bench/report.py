@@ -99,14 +99,15 @@ def extra_lines(throughput: dict) -> list[str]:
 
 
 def step_profile_table(rows: list[dict]) -> list[str]:
-    from pagedcore.bench.step_profile import PARTS
+    from pagedcore.bench.step_profile import PARTS, with_layered
 
-    body = [[str(r["batch"]), _num(r["step_ms"], "{:.2f}"), *(_num(r.get(p), "{:.2f}") for p in PARTS),
-             _num(r.get("weight_read_ms"), "{:.2f}"), _num(r.get("matmul_ms"), "{:.2f}")] for r in rows]
-    header = ["batch", "step", "prepare", "GEMMs", "attention", "other forward", "sample", "output",
+    body = [[str(r["batch"]), r["path"], _num(r["step_ms"], "{:.2f}"), *(_num(r.get(p), "{:.2f}") for p in PARTS),
+             _num(r.get("weight_read_ms"), "{:.2f}"), _num(r.get("matmul_ms"), "{:.2f}")] for r in with_layered(rows)]
+    header = ["batch", "path", "step", "prepare", "GEMMs", "attention", "other forward", "sample", "output",
               "floor: read weights", "floor: matmul at peak"]
-    return ["**Decode step profile** (ms per step; floors measured in the same run)", "",
-            *_table(header, body, "rrrrrrrrrr")]
+    return ["**Decode step profile** (ms per step; floors measured in the same run; the decode stack runs every "
+            "layer in one C++ call, so its GEMMs and attention are inside \"other forward\")", "",
+            *_table(header, body, "rlrrrrrrrrr")]
 
 
 def targets_table(targets: list[dict]) -> list[str]:

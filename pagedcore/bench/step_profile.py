@@ -14,7 +14,10 @@ bandwidth (bounds a batch-1 step) and the step's matmul FLOPs at the matmul peak
 CPU only: on a GPU these timers would need synchronisation.
 With a captured forward (`--compile`), the linears live inside the compiled graph, where no timer
 can wrap them: GEMMs are reported as "-" and "other forward" holds them (attention, an opaque op
-called by the graph, is still timed).
+called by the graph, is still timed). The same holds for the decode stack (pagedcore/decode_stack.py:
+every layer in one C++ call): its row reports the real step, GEMMs and attention "-" inside "other
+forward"; a second row times the same batch layer by layer with the GEMM / attention timers (wrapping
+the linears turns the stack off, as any replaced forward does), to show where the time goes.
 """
 
 from __future__ import annotations
@@ -50,8 +53,9 @@ class StepTimers:
 
 
 @contextlib.contextmanager
-def instrument(engine, timers: StepTimers):
-    """Wrap the engine's parts with timers; everything is put back on exit."""
+def instrument(engine, timers: StepTimers, per_module: bool = True):
+    """Wrap the engine's parts with timers; everything is put back on exit. `per_module=False` leaves the
+    model's modules and the attention backend alone (their wrappers would turn the decode stack off)."""
     runner, undo = engine.runner, []
 
     def set_attr(obj, name, value):
@@ -64,19 +68,25 @@ def instrument(engine, timers: StepTimers):
     set_attr(runner, "execute", timers.wrap("execute", runner.execute))
     backend = runner.backend
     set_attr(backend, "build_metadata", timers.wrap("prepare", backend.build_metadata))
-    set_attr(backend, "forward", timers.wrap("attention", backend.forward))
     set_attr(engine, "sampler", timers.wrap("sample", engine.sampler))
+    if per_module:
+        _instrument_modules(engine, timers, set_attr)
+    try:
+        yield
+    finally:
+        for fn in reversed(undo):
+            fn()
+
+
+def _instrument_modules(engine, timers: StepTimers, set_attr) -> None:
+    backend = engine.runner.backend
+    set_attr(backend, "forward", timers.wrap("attention", backend.forward))
     for module in engine.model.modules() if not captured(engine) else ():
         # (captured: the graph calls the linears' kernels itself; a wrapper would never run)
         if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Int4Linear":
             set_attr(module, "forward", timers.wrap("gemm", module.forward))
     for fused in fused_projections.installed(engine.model) if not captured(engine) else ():
         set_attr(fused, "run", timers.wrap("gemm", fused.run))  # q/k/v, gate/up as one matmul at decode
-    try:
-        yield
-    finally:
-        for fn in reversed(undo):
-            fn()
 
 
 def captured(engine) -> bool:
@@ -99,11 +109,21 @@ def fill_batch(engine, batch: int, prompt_len: int, max_tokens: int, seed: int =
 
 
 def profile_decode(engine, batch: int, prompt_len: int = 128, steps: int = 10) -> dict:
-    """Mean milliseconds per decode step, split into PARTS, at a running batch of `batch` sequences."""
+    """Mean milliseconds per decode step, split into PARTS, at a running batch of `batch` sequences. With the
+    decode stack, the stack's step (forward untimed inside) and, under "layered", the split layer by layer."""
+    if getattr(engine.runner, "decode_stack", None) is None:
+        return _profile(engine, batch, prompt_len, steps, per_module=True)
+    row = _profile(engine, batch, prompt_len, steps, per_module=False)
+    row["layered"] = _profile(engine, batch, prompt_len, steps, per_module=True)
+    return row
+
+
+def _profile(engine, batch: int, prompt_len: int, steps: int, per_module: bool) -> dict:
     fill_batch(engine, batch, prompt_len, max_tokens=steps + 8)
     engine.step()  # one untimed decode step at the full batch
     timers, t_step, compiled = StepTimers(), 0.0, captured(engine)
-    with instrument(engine, timers):
+    opaque = compiled or not per_module
+    with instrument(engine, timers, per_module=per_module):
         for _ in range(steps):
             t0 = time.perf_counter()
             engine.step()
@@ -117,9 +137,11 @@ def profile_decode(engine, batch: int, prompt_len: int = 128, steps: int = 10) -
           "other_forward": forward - t["gemm"] - t["attention"], "sample": t["sample"],
           "output": t_step - t["execute"] - t["sample"]}
     row = {k: round(v / steps * 1e3, 2) for k, v in ms.items()}
-    if compiled:
-        row["gemm"] = None  # inside the captured graph: counted in other_forward
-    row.update(batch=batch, step_ms=round(t_step / steps * 1e3, 2), compiled=compiled)
+    if opaque:
+        row["gemm"] = None  # inside the captured graph / the stack: counted in other_forward
+    if not per_module:
+        row["attention"] = None
+    row.update(batch=batch, step_ms=round(t_step / steps * 1e3, 2), compiled=compiled, decode_stack=not per_module)
     return row
 
 
@@ -162,11 +184,23 @@ def run_int4_activations(engine, modes: list[str], repeats: int, batches=(1,), p
     return best
 
 
-def format_rows(rows: list[dict]) -> list[str]:
-    head = f"{'batch':>5s} {'step ms':>8s} " + " ".join(f"{p:>13s}" for p in PARTS) + f" {'weights ms':>10s} {'matmul ms':>9s}"
-    lines = [head]
+def with_layered(rows: list[dict]) -> list[dict]:
+    """Each row followed by its layer-by-layer split, if it has one (floors copied), labelled by `path`."""
+    out = []
     for r in rows:
-        lines.append(f"{r['batch']:5d} {r['step_ms']:8.2f} "
+        out.append(dict(r, path="decode stack" if r.get("decode_stack") else "layer by layer"))
+        if r.get("layered"):
+            out.append(dict(r["layered"], path="layer by layer", weight_read_ms=r.get("weight_read_ms"),
+                            matmul_ms=r.get("matmul_ms")))
+    return out
+
+
+def format_rows(rows: list[dict]) -> list[str]:
+    head = f"{'batch':>5s} {'path':>14s} {'step ms':>8s} " + " ".join(f"{p:>13s}" for p in PARTS) \
+        + f" {'weights ms':>10s} {'matmul ms':>9s}"
+    lines = [head]
+    for r in with_layered(rows):
+        lines.append(f"{r['batch']:5d} {r['path']:>14s} {r['step_ms']:8.2f} "
                      + " ".join(f"{r[p]:13.2f}" if r[p] is not None else f"{'-':>13s}" for p in PARTS)
                      + f" {r['weight_read_ms']:10.2f} {r['matmul_ms']:9.2f}")
     return lines
