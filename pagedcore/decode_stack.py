@@ -29,6 +29,10 @@ from pagedcore.quantization import Int4Linear
 logger = logging.getLogger("pagedcore")
 
 SUPPORTED_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Rotary embeddings whose cos/sin depend on the position alone (not on the sequence length, as "dynamic" and
+# "longrope" do): looked up in a table made once by the model's own rotary module, not recomputed (~0.3 ms) per step.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TABLE_MAX = 8192  # positions in the table; later ones are computed per step
 QKV, GATE_UP = fused_projections.GROUPS[0][1], fused_projections.GROUPS[1][1]
 
 
@@ -57,6 +61,8 @@ class DecodeStack:
         self.stack = ext.DecodeStack(c.hidden_size, c.num_attention_heads, kv_caches[0][0].shape[2], head_dim,
                                      c.intermediate_size)
         self.installed: list[_Installed] = []
+        self._checks = None  # (parent's modules, name, module, its __dict__, forward) per installed entry
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         for layer, (k_cache, v_cache) in zip(self.base.layers, kv_caches):
             self._add_layer(layer, k_cache, v_cache)
 
@@ -94,21 +100,41 @@ class DecodeStack:
         if md is None or ctx.lora_mapping is not None or ctx.kv_caches is not self.kv_caches:
             return None
         qsl = md.query_start_loc_cpu
-        if not 0 < len(qsl) - 1 == qsl[-1] == num_tokens or not all(i.intact() for i in self.installed):
+        if not 0 < len(qsl) - 1 == qsl[-1] == num_tokens or not self._intact():
             return None
         return _ext_plan(md, ctx.metadata.decode_plans)
+
+    def _intact(self) -> bool:
+        """Every module the stack stands in for is still in place, with the forward it had (plain dict lookups:
+        nn.Module.__getattr__ would cost ~1 ms a step over ~270 modules)."""
+        if self._checks is None:
+            self._checks = [(i.parent._modules, i.name, i.module, i.module.__dict__, i.forward) for i in self.installed]
+        return all(d.get(n) is m and md.get("forward") is f for d, n, m, md, f in self._checks)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, ctx,
                  plan: ExtDecodePlan) -> torch.Tensor | None:
         """Logits [len(logits_indices), vocab], as the model's forward gives them; None if the step's rotary
         embedding is not over the whole head (the layers' own forward then runs it)."""
         hidden = self.base.embed_tokens(input_ids)
-        cos, sin = self.base.rotary_emb(hidden[None], positions[None])
+        cos, sin = self._rotary(hidden, positions)
         if cos.shape[-1] != self.head_dim or cos.dtype != hidden.dtype:
             return None
-        out = self.stack.forward(hidden, cos[0].contiguous(), sin[0].contiguous(), ctx.metadata.common.slot_mapping,
+        out = self.stack.forward(hidden, cos, sin, ctx.metadata.common.slot_mapping,
                                  plan.rows, plan.block_table, plan.seq_lens, quantization.INT8_ACTIVATION_ROWS)
         return self.model.lm_head(self.base.norm(out[logits_indices]))
+
+
+    def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, head_dim] of the positions, as the model's rotary module gives them."""
+        rotary = self.base.rotary_emb
+        if getattr(rotary, "rope_type", None) in STATIC_ROPE_TYPES:
+            if self._rope_table is None or self._rope_table[0].dtype != hidden.dtype:
+                table = torch.arange(ROPE_TABLE_MAX, device=hidden.device)[None]
+                self._rope_table = tuple(t[0].contiguous() for t in rotary(hidden[None, :1], table))
+            if int(positions.max()) < ROPE_TABLE_MAX:
+                return tuple(t.index_select(0, positions) for t in self._rope_table)
+        cos, sin = rotary(hidden[None], positions[None])
+        return cos[0].contiguous(), sin[0].contiguous()
 
 
 def _linear_spec(module: nn.Module) -> tuple:

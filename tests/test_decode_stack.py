@@ -143,3 +143,11 @@ def test_stack_rejects_what_it_cannot_run(ext):
         stack.forward(hidden.double(), cs, cs, torch.tensor([0]), torch.tensor([0]), table, lens, 0)
     out = stack.forward(hidden, cs, cs, torch.tensor([0]), torch.tensor([0]), table, lens, 0)
     assert out.shape == (1, 32) and torch.isfinite(out).all()
+
+
+def test_stack_rope_table_and_positions_past_it(tiny_model_dir, stack_steps, monkeypatch):
+    """cos/sin come from a table made once by the model's rotary module; positions past it are computed."""
+    from pagedcore import decode_stack
+
+    monkeypatch.setattr(decode_stack, "ROPE_TABLE_MAX", 40)  # the prompts cross it while decoding
+    _compare(tiny_model_dir("llama"), stack_steps, dtype="bfloat16")
