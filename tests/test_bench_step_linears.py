@@ -49,6 +49,19 @@ def test_bench_step_cli(tiny_model_dir, tmp_path, capsys):
     assert "other_forward" in capsys.readouterr().out
 
 
+def test_bench_step_stack_ab_cli(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "ab.json"
+    rc = main(["bench", "step", "--model", str(tiny_model_dir("llama")), "--dtype", "float32", "--batches", "1,2",
+               "--prompt-len", "12", "--steps", "2", "--num-threads", "1", "--stack-ab", "2", "--json", str(out)])
+    assert rc == 0
+    ab = json.loads(out.read_text())["stack_ab"]
+    assert list(ab) == ["decode stack", "layer by layer"]
+    for path, rows in ab.items():
+        assert [r["batch"] for r in rows] == [1, 2] and all(r["step_ms"] > 0 for r in rows)
+        assert all(r["decode_stack"] == (path == "decode stack") for r in rows)
+    assert "layer by layer: best of 2" in capsys.readouterr().out
+
+
 def test_bench_linears_cli(tmp_path, capsys):
     out = tmp_path / "lin.json"
     rc = main(["bench", "linears", "--dtype", "bfloat16", "--m", "1,8", "--shapes", "k_proj/v_proj",

@@ -195,6 +195,24 @@ def with_layered(rows: list[dict]) -> list[dict]:
     return out
 
 
+def run_stack_ab(engine, repeats: int, batches=(1,), prompt_len: int = 128, steps: int = 10) -> dict[str, list[dict]]:
+    """The same engine's decode steps with the decode stack and layer by layer, alternating `repeats` times, no
+    timers inside the forward either way (best step of each per batch): an A/B in one process."""
+    stack, best = engine.runner.decode_stack, {}
+    if stack is None:
+        raise SystemExit("--stack-ab: this engine has no decode stack (see the log for why)")
+    try:
+        for _ in range(repeats):
+            for name, value in (("decode stack", stack), ("layer by layer", None)):
+                engine.runner.decode_stack = value
+                rows = [dict(_profile(engine, b, prompt_len, steps, per_module=False), decode_stack=value is not None,
+                             weight_read_ms=math.nan, matmul_ms=math.nan) for b in batches]
+                best[name] = [min(old, new, key=lambda r: r["step_ms"]) for old, new in zip(best.get(name, rows), rows)]
+    finally:
+        engine.runner.decode_stack = stack
+    return best
+
+
 def format_rows(rows: list[dict]) -> list[str]:
     head = f"{'batch':>5s} {'path':>14s} {'step ms':>8s} " + " ".join(f"{p:>13s}" for p in PARTS) \
         + f" {'weights ms':>10s} {'matmul ms':>9s}"
@@ -235,6 +253,15 @@ def main(args) -> int:
                 json.dump({"bench": "step", "dtype": args.dtype, "settings": settings, "by_int4_activations": by_mode},
                           f, indent=2)
         return 0
+    if args.stack_ab:
+        by_path = run_stack_ab(engine, args.stack_ab, args.batches, args.prompt_len, args.steps)
+        for path, rows in by_path.items():
+            print(f"{path}: best of {args.stack_ab} (ms per step)")
+            print("\n".join(format_rows(rows)))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"bench": "step", "dtype": args.dtype, "settings": settings, "stack_ab": by_path}, f, indent=2)
+        return 0
     rows = run(engine, args.batches, prompt_len=args.prompt_len, steps=args.steps)
     mode = "captured forward (torch.compile)" if rows and rows[0]["compiled"] else "eager forward"
     print(f"decode step profile, {args.dtype}, {torch.get_num_threads()} threads, {mode} (ms per step)")
@@ -259,6 +286,8 @@ def add_parser(bsub) -> None:
                    help="comma list of int8, fp32: with --quantization int4, A/B of the decode rows' activations")
     p.add_argument("--repeats", type=int, default=3, help="with --int4-activations: alternations, best of each")
     p.add_argument("--compile", action="store_true", help="capture the model forward with torch.compile")
+    p.add_argument("--stack-ab", type=int, default=0, metavar="REPEATS",
+                   help="A/B of the decode stack against layer by layer, alternating REPEATS times, best of each")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--json", default=None)
     p.set_defaults(func=main)
