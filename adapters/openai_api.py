@@ -4,7 +4,9 @@ Framework-neutral: no web framework is imported here. `OpenAIServing.completions
 `.chat_completions(body)` take the decoded JSON body and return either a dict (the response) or,
 for `stream: true`, an async iterator of SSE strings (`data: {...}\\n\\n` ... `data: [DONE]\\n\\n`).
 Bad input raises `OpenAIError` (HTTP status + OpenAI error body) before anything is streamed.
-Closing the returned iterator, or cancelling the call, aborts the engine request(s).
+Closing the returned iterator, or cancelling the call, aborts the engine request(s). Beside it:
+openai_request.py parses the bodies, openai_models.py serves /v1/models and the LoRA routes,
+openai_errors.py maps the engine's refusals to HTTP errors.
 
 Choices made where OpenAI leaves room or the engine differs:
   * defaults as OpenAI: temperature 1.0, top_p 1.0, n 1; `max_tokens` 16 for completions,
@@ -38,7 +40,6 @@ Choices made where OpenAI leaves room or the engine differs:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 import uuid
@@ -46,245 +47,21 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from pagedcore.adapters.openai_errors import OpenAIError, engine_error, raise_engine_error
+from pagedcore.adapters.openai_models import OpenAIServingModels
+from pagedcore.adapters.openai_request import (CHAT_FIELDS, COMPLETION_FIELDS, chat_messages, check_fields,
+                                               completion_prompts, get_field, named, reject_unsupported,
+                                               request_options, sampling_params, stream_options, structured_outputs)
 from pagedcore.adapters.tool_calls import ToolCallStream, ToolChoiceError, ToolRequest, parse_tool_calls, tool_request
-from pagedcore.limits import OverloadedError, RequestFailedError, RequestTimeoutError
-from pagedcore.lora.request import LoRARequest, UnknownLoRAError
+from pagedcore.lora.request import UnknownLoRAError
 from pagedcore.outputs import CompletionOutput, OutputKind, RequestOutput
 from pagedcore.sampling_params import InvalidRequestError, SamplingParams
 
-
-class OpenAIError(Exception):
-    """An error the client sees as `{"error": {"message", "type", "param", "code"}}`."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-# Fields each endpoint maps itself; every other SamplingParams field is an "engine extra".
-_OPENAI_MAPPED = {"n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "max_tokens",
-                  "stop", "logprobs"}
-ENGINE_EXTRAS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - _OPENAI_MAPPED
-_COMMON = {"model", "stream", "stream_options", "n", "temperature", "top_p", "presence_penalty", "frequency_penalty",
-           "seed", "max_tokens", "stop", "logprobs", "logit_bias", "user", "timeout",
-           "priority", "cache_salt"}  # vLLM's request extras: admission order, a tenant's own prefix cache
-COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of", "response_format"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
-                         "functions", "function_call", "parallel_tool_calls", "store", "metadata", "service_tier",
-                         "modalities", "prompt_cache_key", "safety_identifier", "reasoning_effort"}
-_CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+__all__ = ["OpenAIError", "OpenAIServing", "engine_error", "sse"]
 
 
 def sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
-
-
-def engine_error(e: Exception) -> OpenAIError | None:
-    """The client's view of an engine refusal or failure (None: not one of the engine's)."""
-    if isinstance(e, OverloadedError):
-        unavailable = e.reason == "unavailable"
-        return OpenAIError(str(e), status=503 if unavailable else 429, code=e.reason,
-                           type="service_unavailable" if unavailable else "overloaded_error",
-                           headers={"Retry-After": str(max(1, round(e.retry_after)))})
-    if isinstance(e, RequestTimeoutError):
-        return OpenAIError(str(e), "timeout", status=408, type="timeout_error", code="request_timeout")
-    if isinstance(e, RequestFailedError):
-        return OpenAIError(str(e), status=500, type="server_error", code="generation_failed")
-    return None
-
-
-def _raise_engine_error(e: BaseException) -> None:
-    mapped = engine_error(e) if isinstance(e, Exception) else None
-    if mapped is not None:
-        raise mapped from e
-
-
-# ---- request parsing ------------------------------------------------------------------------------
-
-def _get(body: dict, name: str, kind: type | tuple, what: str, default: Any = None) -> Any:
-    """body[name] if of `kind` (null means absent); bools are never numbers."""
-    value = body.get(name)
-    if value is None:
-        return default
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise OpenAIError(f"'{name}' must be {what}, got {value!r}", name)
-    return value
-
-
-def _check_fields(body: Any, allowed: set[str]) -> None:
-    if not isinstance(body, dict):
-        raise OpenAIError("the request body must be a JSON object")
-    unknown = sorted(set(body) - allowed - ENGINE_EXTRAS)
-    if unknown:
-        raise OpenAIError(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
-
-
-def _stop(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise OpenAIError(f"'stop' must be a non-empty string or a list of them, got {stop!r}", "stop")
-    return stop
-
-
-def _sampling_params(body: dict, max_tokens: int | None, logprobs: int | None,
-                     rename: dict[str, str], structured: dict | None = None) -> SamplingParams:
-    num = (int, float)
-    kw: dict[str, Any] = dict(
-        n=_get(body, "n", int, "an integer", 1),
-        temperature=_get(body, "temperature", num, "a number", 1.0),
-        top_p=_get(body, "top_p", num, "a number", 1.0),
-        presence_penalty=_get(body, "presence_penalty", num, "a number", 0.0),
-        frequency_penalty=_get(body, "frequency_penalty", num, "a number", 0.0),
-        seed=_get(body, "seed", int, "an integer"),
-        stop=_stop(body), max_tokens=max_tokens, logprobs=logprobs)
-    kw.update({k: v for k, v in body.items() if k in ENGINE_EXTRAS and v is not None})
-    kw["logit_bias"] = _logit_bias(body)
-    if structured is not None:
-        kw["structured_outputs"] = structured
-    try:
-        return SamplingParams(**kw)
-    except InvalidRequestError as e:
-        param = rename.get(e.field, e.field)
-        raise OpenAIError(_named(str(e).replace(f"{e.field} ", f"'{param}' ", 1), param), param) from e
-    except TypeError as e:  # a wrongly typed extra reaching a comparison
-        raise OpenAIError(f"invalid sampling parameters: {e}") from e
-
-
-def _stream_options(body: dict, stream: bool) -> bool:
-    opts = body.get("stream_options")
-    if opts is None:
-        return False
-    if not stream:
-        raise OpenAIError("'stream_options' is only allowed when 'stream' is true", "stream_options")
-    include_usage = opts.get("include_usage") if isinstance(opts, dict) else "invalid"
-    if include_usage is not None and not isinstance(include_usage, bool):
-        raise OpenAIError(f"'stream_options' must be an object like {{\"include_usage\": true}}, got {opts!r}",
-                          "stream_options")
-    return bool(include_usage)
-
-
-def _named(message: str, param: str) -> str:
-    return message if param in message else f"'{param}': {message}"
-
-
-def _logit_bias(body: dict) -> dict[int, float] | None:
-    """OpenAI's logit_bias: token ids as strings (JSON keys) -> a bias in [-100, 100]."""
-    bias = body.get("logit_bias")
-    if bias is None:
-        return None
-    if isinstance(bias, dict) and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bias.values()):
-        try:
-            return {int(t): float(b) for t, b in bias.items()}
-        except ValueError:
-            pass
-    raise OpenAIError(f"'logit_bias' must map token ids to numbers in [-100, 100], got {bias!r}", "logit_bias")
-
-
-def _structured_outputs(body: dict, tools: ToolRequest | None) -> tuple[dict | None, str]:
-    """The engine's structured_outputs from `response_format`, the `structured_outputs` extra or a
-    constrained tool choice (at most one of them), and the field to name in its errors."""
-    asked = {}
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        asked["response_format"] = _response_format(fmt)
-    if body.get("structured_outputs") is not None:
-        asked["structured_outputs"] = body["structured_outputs"]
-    if tools is not None and tools.constrained:
-        asked["tools"] = tools.structured_outputs()  # its errors are the functions' parameters'
-    if len(asked) > 1:
-        raise OpenAIError(f"{' and '.join(repr(k) for k in asked)} both constrain the output: send one of them",
-                          list(asked)[1])
-    return next(((v, k) for k, v in asked.items()), (None, "structured_outputs"))
-
-
-def _response_format(fmt: Any) -> dict:
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "json_object":
-        return {"json_object": True}
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise OpenAIError("response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}",
-                              "response_format")
-        return {"json": schema}
-    raise OpenAIError("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
-                      f"{{\"type\": \"json_schema\", \"json_schema\": {{...}}}}, got {fmt!r}", "response_format")
-
-
-def _reject_unsupported(body: dict) -> None:
-    if body.get("echo"):
-        raise OpenAIError("'echo' is not supported", "echo")
-    if body.get("suffix"):
-        raise OpenAIError("'suffix' is not supported", "suffix")
-    if body.get("functions") or body.get("function_call"):
-        raise OpenAIError("'functions' is deprecated and not supported: use 'tools'", "functions")
-
-
-def _timeout(body: dict) -> float | None:
-    timeout = _get(body, "timeout", (int, float), "a number of seconds")
-    if timeout is not None and timeout <= 0:
-        raise OpenAIError(f"'timeout' must be > 0 seconds, got {timeout!r}", "timeout")
-    return timeout
-
-
-def _request_options(body: dict) -> dict:
-    """vLLM's per-request extras, checked by the engine (priority needs the "priority" policy)."""
-    return {"timeout": _timeout(body), "priority": _get(body, "priority", int, "an integer", 0),
-            "cache_salt": _get(body, "cache_salt", str, "a string")}
-
-
-def _completion_prompts(body: dict) -> list[str | list[int]]:
-    prompt = body.get("prompt")
-    is_ids = lambda p: isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-    if isinstance(prompt, str) or is_ids(prompt):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
-        prompts = prompt
-    else:
-        raise OpenAIError("'prompt' must be a string, a list of strings, a list of token ids, or a list of those",
-                          "prompt")
-    if any(p == "" for p in prompts):
-        raise OpenAIError("'prompt' is empty", "prompt")
-    return prompts
-
-
-def _chat_messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise OpenAIError("'messages' must be a non-empty list of {role, content} objects", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        param = f"messages[{i}]"
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in _CHAT_ROLES:
-            raise OpenAIError(f"{param} must be an object with a role in {sorted(_CHAT_ROLES)}, got {m!r}", param)
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise OpenAIError(f"{param}.content: only text parts are supported", f"{param}.content")
-            content = "".join(p["text"] for p in content)
-        elif content is None and m["role"] == "assistant":
-            content = ""
-        elif not isinstance(content, str):
-            raise OpenAIError(f"{param}.content must be a string or a list of text parts", f"{param}.content")
-        msg = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
-        if m["role"] == "assistant" and m.get("tool_calls"):  # an earlier turn's calls, for the template
-            msg["tool_calls"] = m["tool_calls"]
-        if m["role"] == "tool" and m.get("tool_call_id") is not None:
-            msg["tool_call_id"] = m["tool_call_id"]
-        out.append(msg)
-    return out
 
 
 # ---- responses --------------------------------------------------------------------------------------
@@ -307,87 +84,69 @@ class OpenAIServing:
     def __init__(self, engine, model_name: str, aliases: tuple[str, ...] = (), allow_lora_updates: bool = False):
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.model_name = model_name
-        self.accepted_names = {model_name, *aliases}
-        self.allow_lora_updates = allow_lora_updates
-        self.created = int(time.time())
+        self.serving_models = OpenAIServingModels(engine, model_name, aliases, allow_lora_updates)
         self._token_text: dict[int, str] = {}
 
-    def models(self) -> dict:
-        base = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagedcore"}
-        loras = [{"id": a.name, "object": "model", "created": self.created, "owned_by": "pagedcore",
-                  "root": a.path, "parent": self.model_name} for a in self.engine.list_loras()]
-        return {"object": "list", "data": [base, *loras]}
+    # ---- models and LoRA adapters (openai_models.py) ------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.serving_models.model_name
 
-    # ---- LoRA adapters at run time (vLLM's routes) -------------------------------------------------
+    @property
+    def allow_lora_updates(self) -> bool:
+        return self.serving_models.allow_lora_updates
+
+    @allow_lora_updates.setter
+    def allow_lora_updates(self, allow: bool) -> None:
+        self.serving_models.allow_lora_updates = allow
+
+    def models(self) -> dict:
+        return self.serving_models.models()
+
     async def load_lora_adapter(self, body: Any) -> dict:
-        self._check_lora_updates(body, {"lora_name", "lora_path", "lora_int_id"})
-        name = _get(body, "lora_name", str, "a string")
-        path = _get(body, "lora_path", str, "a string")
-        int_id = _get(body, "lora_int_id", int, "an integer") or self.engine.engine.next_lora_int_id()
-        if not name or not path:
-            raise OpenAIError("'lora_name' and 'lora_path' are required", "lora_name" if not name else "lora_path")
-        if name in self.accepted_names:
-            raise OpenAIError(f"'lora_name' {name!r} is the base model's name", "lora_name")
-        try:  # reads the adapter's files: off the event loop
-            await asyncio.to_thread(self.engine.add_lora, LoRARequest(name, int_id, path))
-        except ValueError as e:  # LoRALoadError (an InvalidRequestError), or LoRARequest's own checks
-            raise OpenAIError(str(e), "lora_path") from e
-        return {"object": "lora_adapter", "id": name, "loaded": True}
+        return await self.serving_models.load_lora_adapter(body)
 
     async def unload_lora_adapter(self, body: Any) -> dict:
-        self._check_lora_updates(body, {"lora_name", "lora_int_id"})
-        name = _get(body, "lora_name", str, "a string")
-        if not self.engine.remove_lora(name or ""):
-            raise OpenAIError(f"LoRA adapter {name!r} is not loaded", "lora_name", status=404, code="model_not_found")
-        return {"object": "lora_adapter", "id": name, "loaded": False}
-
-    def _check_lora_updates(self, body: Any, fields: set[str]) -> None:
-        if not self.allow_lora_updates:
-            raise OpenAIError("loading and unloading LoRA adapters at run time is off on this server (start it "
-                              "with PAGEDCORE_ALLOW_RUNTIME_LORA_UPDATING=true)", status=403, type="permission_error")
-        if not self.engine.config.enable_lora:
-            raise OpenAIError("this server runs without LoRA (start it with PAGEDCORE_ENABLE_LORA=true)")
-        _check_fields(body, fields)
+        return await self.serving_models.unload_lora_adapter(body)
 
     # ---- endpoints --------------------------------------------------------------------------------
     async def completions(self, body: Any) -> dict | AsyncIterator[str]:
-        _check_fields(body, COMPLETION_FIELDS)
-        options = _request_options(body)
-        model = self._check_model(body, options)
-        _reject_unsupported(body)
-        prompts = _completion_prompts(body)
-        stream = _get(body, "stream", bool, "a boolean", False)
-        include_usage = _stream_options(body, stream)
-        logprobs = _get(body, "logprobs", int, "an integer (the number of top logprobs)")
-        structured, field = _structured_outputs(body, None)
-        params = _sampling_params(body, _get(body, "max_tokens", int, "an integer", 16), logprobs,
-                                  {"structured_outputs": field}, structured)
+        check_fields(body, COMPLETION_FIELDS)
+        options = request_options(body)
+        model = self.serving_models.check_model(body, options)
+        reject_unsupported(body)
+        prompts = completion_prompts(body)
+        stream = get_field(body, "stream", bool, "a boolean", False)
+        include_usage = stream_options(body, stream)
+        logprobs = get_field(body, "logprobs", int, "an integer (the number of top logprobs)")
+        structured, field = structured_outputs(body, None)
+        params = sampling_params(body, get_field(body, "max_tokens", int, "an integer", 16), logprobs,
+                                 {"structured_outputs": field}, structured)
         return await self._run("cmpl", "text_completion", prompts, params, stream, include_usage, chat=False,
                                options=options, model=model, field=field)
 
     async def chat_completions(self, body: Any) -> dict | AsyncIterator[str]:
-        _check_fields(body, CHAT_FIELDS)
-        options = _request_options(body)
-        model = self._check_model(body, options)
-        _reject_unsupported(body)
-        messages = _chat_messages(body)
+        check_fields(body, CHAT_FIELDS)
+        options = request_options(body)
+        model = self.serving_models.check_model(body, options)
+        reject_unsupported(body)
+        messages = chat_messages(body)
         try:
             tools = tool_request(body)
         except ToolChoiceError as e:
             raise OpenAIError(str(e), e.param) from e
-        structured, field = _structured_outputs(body, tools)
-        stream = _get(body, "stream", bool, "a boolean", False)
-        include_usage = _stream_options(body, stream)
-        want_logprobs = _get(body, "logprobs", bool, "a boolean", False)
-        top = _get(body, "top_logprobs", int, "an integer", None)
+        structured, field = structured_outputs(body, tools)
+        stream = get_field(body, "stream", bool, "a boolean", False)
+        include_usage = stream_options(body, stream)
+        want_logprobs = get_field(body, "logprobs", bool, "a boolean", False)
+        top = get_field(body, "top_logprobs", int, "an integer", None)
         if top is not None and not want_logprobs:
             raise OpenAIError("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
         max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = _get(body, max_name, int, "an integer", None)
-        params = _sampling_params(body, max_tokens, (top or 0) if want_logprobs else None,
-                                  {"logprobs": "top_logprobs", "max_tokens": max_name, "structured_outputs": field},
-                                  structured)
+        max_tokens = get_field(body, max_name, int, "an integer", None)
+        params = sampling_params(body, max_tokens, (top or 0) if want_logprobs else None,
+                                 {"logprobs": "top_logprobs", "max_tokens": max_name, "structured_outputs": field},
+                                 structured)
         try:
             prompt = self._chat_prompt(messages, tools)
         except Exception as e:  # the template itself refuses (e.g. role order)
@@ -408,19 +167,6 @@ class OpenAIServing:
         return render(tools.fallback_messages(messages))
 
     # ---- the engine side ----------------------------------------------------------------------------
-    def _check_model(self, body: dict, options: dict) -> str:
-        """The model name the response carries; an adapter's name sets options["lora_request"]."""
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise OpenAIError("'model' must be a string", "model")
-        if model is None or model in self.accepted_names:
-            return self.model_name
-        loras = [a.name for a in self.engine.list_loras()]
-        if model not in loras:
-            raise _model_not_found(model, [self.model_name, *loras])
-        options["lora_request"] = model
-        return model
-
     async def _run(self, prefix: str, obj: str, prompts: list, params: SamplingParams, stream: bool,
                    include_usage: bool, chat: bool, options: dict, model: str, field: str = "structured_outputs",
                    tools: ToolRequest | None = None) -> dict | AsyncIterator[str]:
@@ -433,16 +179,16 @@ class OpenAIServing:
             firsts = [await g.__anext__() for g in gens]
         except UnknownLoRAError as e:  # unloaded since _check_model
             await _close_all(gens)
-            raise _model_not_found(e.lora_name, [self.model_name, *(a.name for a in self.engine.list_loras())]) from e
+            raise self.serving_models.not_found(e.lora_name) from e
         except InvalidRequestError as e:
             await _close_all(gens)
             param = ("messages" if chat else "prompt") if e.field == "prompt" else e.field
             param = field if param == "structured_outputs" else param  # the grammar did not compile
-            message = _named(str(e), param)
+            message = named(str(e), param)
             raise OpenAIError(message, param) from e
         except BaseException as e:
             await _close_all(gens)
-            _raise_engine_error(e)
+            raise_engine_error(e)
             raise
         if stream:
             return self._stream(rid, obj + ".chunk" if chat else obj, gens, firsts, params, include_usage, chat, model,
@@ -450,7 +196,7 @@ class OpenAIServing:
         try:
             finals = [first if first.finished else await _last(g) for g, first in zip(gens, firsts)]
         except Exception as e:
-            _raise_engine_error(e)
+            raise_engine_error(e)
             raise
         finally:
             await _close_all(gens)
@@ -576,11 +322,6 @@ def _delta(st: _Choice, text: str, tools: ToolRequest | None) -> dict:
     if st.tool_stream is None:
         st.tool_stream = ToolCallStream(tools)
     return st.tool_stream.feed(text, st.finish_reason is not None)
-
-
-def _model_not_found(name: str, available: list[str]) -> OpenAIError:
-    return OpenAIError(f"The model `{name}` does not exist. Available: {', '.join(available)}", "model",
-                       status=404, code="model_not_found")
 
 
 def _finish(c: CompletionOutput) -> str | None:

@@ -1,7 +1,7 @@
 """The OpenAPI 3 document of the OpenAI routes (served at /v1/openapi.json by the BentoML door).
 
-The routes parse their JSON bodies themselves (openai_api.py), so FastAPI cannot infer this: it is
-written out here, field for field as openai_api.py accepts them, with OpenAI's own ranges. Clients
+The routes parse their JSON bodies themselves (openai_request.py), so FastAPI cannot infer this: it is
+written out here, field for field as openai_request.py accepts them, with OpenAI's own ranges. Clients
 and fuzzers (tests/test_fuzz_openai.py, schemathesis) read it; the server does not validate with it.
 """
 
@@ -45,7 +45,7 @@ _SAMPLING = {
         "json": {"type": "object"}, "regex": {**_STR, "minLength": 1}, "grammar": {**_STR, "minLength": 1},
         "choice": {"type": "array", "items": {**_STR, "minLength": 1}, "minItems": 1},
         "json_object": {"type": "boolean", "enum": [True]}}, "additionalProperties": False}),
-    # engine extras (vLLM's names; openai_api.ENGINE_EXTRAS): the common ones, any SamplingParams field is accepted
+    # engine extras (vLLM's names; openai_request.ENGINE_EXTRAS): the common ones, any SamplingParams field is accepted
     "top_k": _nullable({**_INT, "minimum": -1}),
     "min_p": _nullable({**_NUM, "minimum": 0, "maximum": 1}),
     "repetition_penalty": _nullable({**_NUM, "exclusiveMinimum": True, "minimum": 0}),

@@ -10,11 +10,13 @@ its early-stopping heuristic), so results match `generate(num_beams=...)`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
-from pagedcore.sequence import Sequence
+from pagedcore.sampling_params import SamplingParams
+from pagedcore.scheduler import SampledOutput, SequenceSample
+from pagedcore.sequence import Sequence, SequenceStatus
 
 _NEG = -1.0e9
 
@@ -44,6 +46,16 @@ class BeamGroup:
     def __post_init__(self) -> None:
         self.finished = [Hypothesis(_NEG, [], 0.0) for _ in range(self.width)]
 
+    @classmethod
+    def for_request(cls, params: SamplingParams, first: Sequence, eos_token_ids) -> BeamGroup:
+        max_tokens = first.max_total_tokens - first.num_prompt_tokens
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        eos = [] if params.ignore_eos else sorted(eos_token_ids) + list(params.stop_token_ids)
+        width = params.best_of or params.n
+        return cls(width, params.n, eos, max_tokens, params.length_penalty, params.early_stopping,
+                   beams=[first], scores=[0.0])
+
     @property
     def num_candidates(self) -> int:
         return max(2, 1 + len(self.eos_token_ids)) * self.width
@@ -72,6 +84,24 @@ class BeamGroup:
         all_hit = bool(hits.all())
         open_beam = not (self._all_finished() and self.early_stopping is True)
         self.done = not (self.improvable and open_beam and not all_hit)
+
+    def step_into(self, out: SampledOutput, seq_ids: Iterator[int]) -> None:
+        """`step`, for the engine: it appends its tokens itself; the beams it forks (new ids from
+        `seq_ids`) and drops are left to the scheduler, through `out`."""
+        parents = {}
+
+        def fork(parent: Sequence) -> Sequence:
+            child = Sequence(next(seq_ids), parent.request_id, parent.index, parent.prompt_token_ids,
+                             parent.params, parent.max_total_tokens, arrival_time=parent.arrival_time,
+                             priority=parent.priority, cache_salt=parent.cache_salt, lora=parent.lora,
+                             token_ids=list(parent.token_ids))
+            parents[child.seq_id] = parent
+            return child
+
+        self.step(fork=fork, drop=lambda seq: out.finished.append((seq, SequenceStatus.FINISHED_ABORTED)))
+        out.samples += [SequenceSample(seq, [], [], fork_of=parents.get(seq.seq_id)) for seq in self.beams]
+        if self.done:
+            out.finished += [(seq, SequenceStatus.FINISHED_STOPPED) for seq in self.beams]
 
     def results(self) -> list[Hypothesis]:
         return sorted(self.finished, key=lambda h: h.score, reverse=True)[:self.num_return]

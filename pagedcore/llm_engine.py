@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import itertools
 import logging
 import time
 import weakref
-from dataclasses import dataclass
 
 import torch
 
 from pagedcore.beam_search import BeamGroup
 from pagedcore.config import EngineConfig
 from pagedcore.detokenizer import IncrementalDetokenizer
+from pagedcore.input_processor import InputProcessor, ProcessedPrompt
 from pagedcore.kv_cache_manager import KVCacheManager
-from pagedcore.limits import (ABORT_REASONS, REJECT_REASONS, EngineDeadError, LimitExceededError, OverloadedError,
-                              RequestCounts, RequestFailedError, RequestTimeoutError, load_json, reject_reason)
+from pagedcore.limits import (ABORT_REASONS, REJECT_REASONS, EngineDeadError, OverloadedError, RequestCounts,
+                              RequestFailedError, RequestTimeoutError, reject_reason)
+from pagedcore.lora.registry import LoRARegistry
+from pagedcore.metrics import EngineStats
 from pagedcore.model_runner import ModelRunner
 from pagedcore.output_processor import OutputProcessor, RequestState
 from pagedcore.outputs import OutputKind, RequestOutput
@@ -26,48 +27,10 @@ from pagedcore.sampler import Sampler, SamplingBatch
 from pagedcore.sampling_params import InvalidRequestError, SamplingParams
 from pagedcore.scheduler import SampledOutput, Scheduler, SequenceSample
 from pagedcore.sequence import Sequence, SequenceStatus
-from pagedcore.structured_output.manager import StructuredOutputManager
+from pagedcore.spec_decode import make_spec_decoder
+from pagedcore.structured_output.manager import StructuredOutputManager, make_backend
 
 logger = logging.getLogger("pagedcore")
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_preemptions: int
-    num_scheduled_tokens: int  # this step
-    num_generated_tokens: int  # this step
-    total_generated_tokens: int
-    step_time: float  # seconds, this step
-    # speculative decoding (zero when off): see SpecDecodeStats
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_max_batch_size: int | None = None  # speculation runs below this batch size now (None: off)
-
-    @property
-    def spec_acceptance_rate(self) -> float:
-        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
-
-    @property
-    def spec_mean_acceptance_length(self) -> float:
-        """Tokens a verified sequence emits per step: 1 + its accepted drafts."""
-        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
-
-    @property
-    def kv_usage(self) -> float:
-        return 1 - self.num_free_blocks / self.num_total_blocks
-
-
-@dataclass
-class ProcessedPrompt:
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
 
 
 class LLMEngine:
@@ -113,14 +76,19 @@ class LLMEngine:
         self.sampler = Sampler()
         self.logits_processors = [p for ps in hook.pagedcore_logits_processors(config=self.config) for p in ps]
         self.max_model_len = self.config.max_model_len or self.runner.shape.max_position_embeddings
+        self.input_processor = InputProcessor(self.config, self.tokenizer, self.vocab_size, self.max_model_len,
+                                              self.kv.num_blocks * self.config.block_size, self.scheduler.policy)
         self.requests: dict[str, RequestState] = {}
         self.output_processor = OutputProcessor(self.tokenizer)
         self._seq_counter = itertools.count()
         self._request_counter = itertools.count()
         self.total_generated_tokens = 0
-        self.spec = self._spec_decoder()
-        self.structured_output = StructuredOutputManager(self._structured_output_backend(), self.vocab_size)
-        self._compiling: dict[str, object] = {}  # request id -> its grammar's future, until attached
+        self.spec = make_spec_decoder(self.config, self.logits_processors, self)
+        # Made on the first constrained request, in a compile thread. A partial, not a bound method:
+        # the manager must not hold the engine.
+        self.structured_output = StructuredOutputManager(functools.partial(
+            make_backend, hook, self.config.structured_outputs_backend, self.tokenizer, self.vocab_size,
+            sorted(self.eos_token_ids)), self.vocab_size)
         self.max_concurrent_requests = self.config.max_concurrent_requests or max(self.config.max_num_seqs,
                                                                                   self.kv.num_blocks)
         self.rejected = RequestCounts(REJECT_REASONS)  # by reason: pagedcore:requests_rejected_total
@@ -128,7 +96,8 @@ class LLMEngine:
         self.num_step_failures = 0
         self.consecutive_step_failures = 0
         self._healthy = True  # False after max_consecutive_step_failures failed steps in a row
-        self._load_lora_modules()
+        self.loras = LoRARegistry(self.runner.lora_manager)
+        self.loras.load_modules(self.config.lora_modules)
         logger.info("pagedcore engine ready: %s, %s, %s backend; KV cache %d blocks = %d tokens",
                     self.device, self.dtype, backend.name, self.kv.num_blocks, self.kv.num_blocks * self.config.block_size)
 
@@ -148,11 +117,31 @@ class LLMEngine:
         if self.executor is not None:
             self.executor.shutdown()
 
-    # ---- requests -------------------------------------------------------------------------
+    # ---- requests (intake: pagedcore/input_processor.py) -----------------------------------------
     def process_prompt(self, prompt: str | list[int], params: SamplingParams | dict | None) -> ProcessedPrompt:
         """Validate and tokenize; pure (touches no engine state), so callers may run it anywhere."""
+        return self._counted(self.input_processor.process_prompt, prompt, params)
+
+    def load_json(self, raw: str | bytes, field: str | None = None) -> object:
+        """A request's JSON (an HTTP body, Triton's sampling_parameters) within payload_limit and
+        max_json_depth; refusals are counted like the engine's own."""
+        return self._counted(self.input_processor.load_json, raw, field)
+
+    def check_payload(self, num_bytes: int, field: str | None = None) -> None:
+        """Refuse (counted) a request of more than payload_limit bytes, e.g. by its Content-Length."""
+        self._counted(self.input_processor.check_payload, num_bytes, field)
+
+    def check_request_options(self, priority, cache_salt) -> None:
+        """The per-request options beside the sampling parameters (vLLM's `priority`, `cache_salt`)."""
+        self.input_processor.check_request_options(priority, cache_salt)
+
+    def max_token_capacity(self) -> int:
+        return self.input_processor.max_token_capacity()
+
+    def _counted(self, check, *args):
+        """Run an intake check; a refusal is counted (`reject`) and raised as is."""
         try:
-            return self._process_prompt(prompt, params)
+            return check(*args)
         except InvalidRequestError as e:
             self.reject(e)
             raise
@@ -179,72 +168,6 @@ class LLMEngine:
         self.reject(e)
         raise e
 
-    def load_json(self, raw: str | bytes, field: str | None = None) -> object:
-        """A request's JSON (an HTTP body, Triton's sampling_parameters) within payload_limit and
-        max_json_depth; refusals are counted like the engine's own."""
-        try:
-            return load_json(raw, field, self.config.payload_limit, self.config.max_json_depth)
-        except InvalidRequestError as e:
-            self.reject(e)
-            raise
-
-    def check_payload(self, num_bytes: int, field: str | None = None) -> None:
-        """Refuse (counted) a request of more than payload_limit bytes, e.g. by its Content-Length."""
-        if num_bytes > self.config.payload_limit:
-            e = LimitExceededError(f"{field or 'the request body'} has {num_bytes} bytes, over payload_limit "
-                                   f"({self.config.payload_limit})", field, "payload_limit")
-            self.reject(e)
-            raise e
-
-    def _process_prompt(self, prompt, params) -> ProcessedPrompt:
-        params = self._check_params(params)
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty", "prompt")
-            size = len(prompt.encode("utf-8", "surrogatepass"))
-            if size > self.config.payload_limit:  # before tokenizing it: that is what costs
-                raise LimitExceededError(f"prompt has {size} bytes, over payload_limit ({self.config.payload_limit})",
-                                         "prompt", "payload_limit")
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            text, ids = None, list(prompt)
-            self._check_input_tokens(ids)  # before the vocabulary scan
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(f"prompt token ids {bad[:5]} outside the vocabulary ({self.vocab_size})", "prompt")
-        else:
-            raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
-        if not ids:
-            raise InvalidRequestError("prompt is empty", "prompt")
-        self._check_input_tokens(ids)
-        self._check_total_tokens(len(ids), params)
-        return ProcessedPrompt(text, ids, params)
-
-    def _check_input_tokens(self, ids: list[int]) -> None:
-        limit = self.max_token_capacity() - 1
-        if self.config.max_input_tokens is not None and self.config.max_input_tokens < limit:
-            if len(ids) > self.config.max_input_tokens:
-                raise LimitExceededError(f"prompt has {len(ids)} tokens, over max_input_tokens "
-                                         f"({self.config.max_input_tokens})", "prompt", "max_input_tokens")
-        elif len(ids) > limit:
-            raise LimitExceededError(
-                f"prompt has {len(ids)} tokens, but at most {limit} fit (max_model_len {self.max_model_len}, "
-                f"KV cache {self.kv.num_blocks * self.config.block_size} tokens"
-                + ("" if self.config.max_total_tokens is None else f", max_total_tokens {self.config.max_total_tokens}")
-                + ("" if self.config.enable_chunked_prefill else
-                   f", max_num_batched_tokens {self.config.max_num_batched_tokens} without chunked prefill")
-                + ") leaving room for one new token",
-                "prompt", "max_input_tokens")
-
-    def _check_total_tokens(self, num_prompt: int, params: SamplingParams) -> None:
-        """Set, max_total_tokens refuses a larger prompt + max_tokens (TGI); unset, max_tokens is only
-        capped at the context (finish "length"), as before."""
-        limit = self.config.max_total_tokens
-        if limit is not None and params.max_tokens is not None and num_prompt + params.max_tokens > limit:
-            raise LimitExceededError(
-                f"max_tokens {params.max_tokens} with a prompt of {num_prompt} tokens is {num_prompt + params.max_tokens} "
-                f"tokens, over max_total_tokens ({limit})", "max_tokens", "max_total_tokens")
-
     def add_request(self, request_id: str | None, prompt: str | list[int] | ProcessedPrompt,
                     params: SamplingParams | dict | None = None, *, output_kind: OutputKind = OutputKind.CUMULATIVE,
                     priority: int = 0, cache_salt: str | None = None, timeout: float | None = None,
@@ -270,9 +193,10 @@ class LLMEngine:
         timeouts = [t for t in (timeout, self.config.request_timeout) if t is not None]
         state.deadline = state.metrics.arrival_time + min(timeouts) if timeouts else None
         num_seqs = 1 if params.use_beam_search else params.best_of or params.n
+        max_total_tokens = self.input_processor.max_total_tokens()
         for i in range(num_seqs):
-            seq = Sequence(next(self._seq_counter), request_id, i, p.prompt_token_ids, params,
-                           self._max_total_tokens(), arrival_time=state.metrics.arrival_time, priority=priority,
+            seq = Sequence(next(self._seq_counter), request_id, i, p.prompt_token_ids, params, max_total_tokens,
+                           arrival_time=state.metrics.arrival_time, priority=priority,
                            generator=self._generator(params, i), cache_salt=salt, lora=lora)
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, p.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
@@ -282,16 +206,16 @@ class LLMEngine:
         self.scheduler.add(state.seqs[0])
         state.pending_forks = state.seqs[1:]
         if params.use_beam_search:
-            state.beam = self._beam_group(params, state.seqs[0])
+            state.beam = BeamGroup.for_request(params, state.seqs[0], self.eos_token_ids)
         self.requests[request_id] = state
         if params.structured_outputs is not None:
-            self._compiling[request_id] = self.compile_grammar(params)
+            self.structured_output.add_request(request_id, self.compile_grammar(params))
             for seq in state.seqs:
                 seq.waiting_for_grammar = True
         self._event("added", request_id, None, {"num_prompt_tokens": len(p.prompt_token_ids)})
         return request_id
 
-    # ---- LoRA adapters (pagedcore/lora/; vLLM's method names) ----------------------------------------
+    # ---- LoRA adapters (pagedcore/lora/registry.py; vLLM's method names) ------------------------------
     @property
     def lora_manager(self):
         return self.runner.lora_manager
@@ -299,48 +223,25 @@ class LLMEngine:
     def add_lora(self, lora_request) -> bool:
         """Load a PEFT adapter into CPU memory (from any thread); True once it is held. A bad one raises
         LoRALoadError (an InvalidRequestError) naming what is and is not supported."""
-        return self.resolve_lora(lora_request) is not None
+        return self.loras.add_lora(lora_request)
 
     def remove_lora(self, lora_name: str) -> bool:
         """Forget an adapter: new requests cannot name it, running ones finish; False if it was not held."""
-        return self.lora_manager is not None and self.lora_manager.remove_lora(lora_name)
+        return self.loras.remove_lora(lora_name)
 
     def list_loras(self) -> list:
         """The held adapters (LoRAModel: name, int_id, path, rank)."""
-        return [] if self.lora_manager is None else self.lora_manager.list_loras()
+        return self.loras.list_loras()
 
     def resolve_lora(self, lora_request):
         """The LoRAModel a request runs under (None: the base model). A LoRARequest's adapter is loaded
         on first use from its path and found by name after; a plain name (the doors') must be held.
         Unknown names raise UnknownLoRAError."""
-        from pagedcore.lora.peft_adapter import LoRAModel
-        from pagedcore.lora.request import LoRARequest, UnknownLoRAError
-
-        if lora_request is None or isinstance(lora_request, LoRAModel):
-            return lora_request
-        if not isinstance(lora_request, (LoRARequest, str)):
-            raise InvalidRequestError(f"lora_request must be a LoRARequest or an adapter name, got "
-                                      f"{type(lora_request).__name__}", "lora_request")
-        name = lora_request if isinstance(lora_request, str) else lora_request.lora_name
-        if self.lora_manager is None:
-            raise InvalidRequestError(f"LoRA adapter {name!r} requested, but the engine runs without LoRA (start "
-                                      "it with enable_lora=True)", "lora_request")
-        if isinstance(lora_request, str):
-            lora = self.lora_manager.get(name)
-            if lora is None:
-                raise UnknownLoRAError(name, [a.name for a in self.list_loras()])
-            return lora
-        return self.lora_manager.add_lora(lora_request)
+        return self.loras.resolve(lora_request)
 
     def next_lora_int_id(self) -> int:
         """An id no held adapter uses (for adapters loaded by name and path alone, e.g. through a door)."""
-        return max((a.int_id for a in self.list_loras()), default=0) + 1
-
-    def _load_lora_modules(self) -> None:
-        for i, (name, path) in enumerate((self.config.lora_modules or {}).items(), start=1):
-            from pagedcore.lora.request import LoRARequest
-
-            self.add_lora(LoRARequest(name, i, path))
+        return self.loras.next_int_id()
 
     def abort_request(self, request_ids: str | list[str], reason: str = "client") -> None:
         """End requests now and free their blocks; `reason` (limits.ABORT_REASONS) is counted."""
@@ -370,17 +271,6 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
-    def _max_total_tokens(self) -> int:
-        cap = self.max_token_capacity()
-        return cap if self.config.max_total_tokens is None else min(cap, self.config.max_total_tokens)
-
-    def max_token_capacity(self) -> int:
-        cap = min(self.max_model_len, self.kv.num_blocks * self.config.block_size)
-        if not self.config.enable_chunked_prefill:
-            # A (re)prefill must fit one step's budget, or the sequence would wait forever.
-            cap = min(cap, self.config.max_num_batched_tokens)
-        return cap
-
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One step. Requests past their deadline or max_waiting_time end first; if the step itself
@@ -393,7 +283,7 @@ class LLMEngine:
                 self.spec.propose(self.scheduler.running, self._can_speculate)
             sched = self.scheduler.schedule()
             if sched.is_empty:
-                self._wait_for_grammars()
+                self.structured_output.wait_for_compiles()
                 return outputs
             rows, logits = self.runner.execute(sched)
             sampled = self._sample([sched.scheduled[i][0] for i in rows], logits)
@@ -410,37 +300,11 @@ class LLMEngine:
             stats=self.stats(sched.num_tokens, generated, time.perf_counter() - t0))
         return outputs
 
-    # ---- speculative decoding ------------------------------------------------------------------
-    def _spec_decoder(self):
-        if self.config.speculative_config is None:
-            return None
-        from pagedcore.spec_decode.config import SpeculativeConfig
-        from pagedcore.spec_decode.spec_decoder import SpecDecoder
-
-        if self.logits_processors:
-            # Processors see one row per sequence and its tokens; verification rows are not that.
-            logger.warning("speculative decoding off: logits processor plugins are registered")
-            return None
-        return SpecDecoder(SpeculativeConfig.from_dict(self.config.speculative_config), self)
-
     def _can_speculate(self, seq: Sequence) -> bool:
         # Beam search scores every beam's next-token distribution: it disables speculation for its request.
         # Constrained sequences too: drafts would need the grammar's mask per draft position.
         state = self.requests.get(seq.request_id)
         return state is not None and state.beam is None and seq.grammar is None and not seq.waiting_for_grammar
-
-    def _verify(self, seqs: list[Sequence], logits: torch.Tensor, out: SampledOutput):
-        """Hand the sequences with drafts (1 + k logits rows each) to the rejection sampler; return the
-        others with their one row each."""
-        counts = [1 + s.num_draft_tokens for s in seqs]
-        starts = list(itertools.accumulate(counts, initial=0))
-        drafted = [i for i, s in enumerate(seqs) if s.num_draft_tokens]
-        plain = [i for i, s in enumerate(seqs) if not s.num_draft_tokens]
-        dev = logits.device
-        rows = [r for i in drafted for r in range(starts[i], starts[i + 1])]
-        out.samples += self.spec.verify([seqs[i] for i in drafted], logits[torch.tensor(rows, device=dev)],
-                                        self.eos_token_ids, self.output_processor.make_logprobs)
-        return [seqs[i] for i in plain], logits[torch.tensor([starts[i] for i in plain], dtype=torch.long, device=dev)]
 
     def _expire_requests(self) -> list[RequestOutput]:
         now = time.monotonic()
@@ -455,12 +319,18 @@ class LLMEngine:
                 e = OverloadedError(f"the server is overloaded: the request waited {now - m.arrival_time:.1f} s "
                                     f"without being scheduled, max_waiting_time is {max_wait} s; retry later",
                                     "max_waiting_time")
-                self.requests.pop(rid)  # refused, not aborted: it never ran
-                for seq in state.seqs:
-                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-                self.reject(e)
-                outputs.append(RequestOutput(rid, state.prompt, state.prompt_token_ids, [], True, m, error=e))
+                outputs.append(self._refuse(rid, e))
         return outputs
+
+    def _refuse(self, rid: str, error: Exception) -> RequestOutput:
+        """End a request that never ran (refused, not aborted): its only output, finished, with `error`;
+        a refusal for a bad input or overload is counted."""
+        state = self.requests.pop(rid)
+        for seq in state.seqs:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        if isinstance(error, (InvalidRequestError, OverloadedError)):
+            self.reject(error)
+        return RequestOutput(rid, state.prompt, state.prompt_token_ids, [], True, state.metrics, error=error)
 
     def _fail_step(self, sched, e: Exception) -> list[RequestOutput]:
         """Fail the requests of a step that raised: those it scheduled or swapped (all of them if
@@ -487,7 +357,9 @@ class LLMEngine:
         request's beam group's for beam search. Only decides; the scheduler applies it."""
         out = SampledOutput()
         if self.spec is not None and any(seq.num_draft_tokens for seq in seqs):
-            seqs, logits = self._verify(seqs, logits, out)
+            samples, seqs, logits = self.spec.verify_drafted(seqs, logits, self.eos_token_ids,
+                                                             self.output_processor.make_logprobs)
+            out.samples += samples
         is_beam = [self.requests[seq.request_id].beam is not None for seq in seqs]
         beam_rows = [(seq, logits[i]) for i, seq in enumerate(seqs) if is_beam[i]]
         if beam_rows:  # beams leave the sampler's batch
@@ -497,7 +369,9 @@ class LLMEngine:
         if seqs:
             out.samples += self._sample_tokens(*self._with_forks(seqs, logits))
         for group in self._ready_beam_groups(beam_rows):
-            self._step_beams(group, out)
+            state = self.requests[group.beams[0].request_id]
+            group.step_into(out, self._seq_counter)
+            state.seqs = list(group.beams)
         return out
 
     def _with_forks(self, seqs: list[Sequence], logits: torch.Tensor):
@@ -537,13 +411,7 @@ class LLMEngine:
             samples.append(SequenceSample(seq, [token_ids[i]], [token_logprobs[i]], top, fork_of=parents[i]))
         return samples
 
-    # ---- structured output ---------------------------------------------------------------------
-    def _structured_output_backend(self):
-        """Made on the first constrained request (in a compile thread), through the hook, so a plugin may
-        add a backend. A partial of what it needs, not a bound method: the manager must not hold the engine."""
-        return functools.partial(_make_structured_output_backend, self.pm.hook, self.config.structured_outputs_backend,
-                                 self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
-
+    # ---- structured output (pagedcore/structured_output/) ------------------------------------------
     def compile_grammar(self, params: SamplingParams):
         """Start compiling (or find cached) the grammar of `params.structured_outputs`: a
         concurrent.futures.Future whose exception is an InvalidRequestError naming the problem; None for
@@ -556,44 +424,20 @@ class LLMEngine:
         """Give each request whose grammar is compiled one matcher per sequence and let it be
         scheduled; a grammar that failed refuses its request (counted like any bad input)."""
         outputs = []
-        for rid, future in list(self._compiling.items()):
-            if not future.done():
-                continue
-            del self._compiling[rid]
+        for rid, future in self.structured_output.pop_done():
             state = self.requests.get(rid)
             if state is None:  # aborted meanwhile
                 continue
             error = future.exception()
             if error is not None:
-                self.requests.pop(rid)
-                for seq in state.seqs:
-                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-                if isinstance(error, InvalidRequestError):
-                    self.reject(error)
-                outputs.append(RequestOutput(rid, state.prompt, state.prompt_token_ids, [], True, state.metrics,
-                                             error=error))
+                outputs.append(self._refuse(rid, error))
                 continue
             for seq in state.seqs:
                 seq.grammar = self.structured_output.matcher(future.result())
                 seq.waiting_for_grammar = False
         return outputs
 
-    def _wait_for_grammars(self) -> None:
-        """Nothing to run but grammars compiling: wait for one (briefly) rather than spin."""
-        if self._compiling:
-            concurrent.futures.wait(list(self._compiling.values()), timeout=0.05,
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
-
     # ---- beam search ---------------------------------------------------------------------------
-    def _beam_group(self, params: SamplingParams, first: Sequence) -> BeamGroup:
-        max_tokens = first.max_total_tokens - first.num_prompt_tokens
-        if params.max_tokens is not None:
-            max_tokens = min(max_tokens, params.max_tokens)
-        eos = [] if params.ignore_eos else sorted(self.eos_token_ids) + list(params.stop_token_ids)
-        width = params.best_of or params.n
-        return BeamGroup(width, params.n, eos, max_tokens, params.length_penalty, params.early_stopping,
-                         beams=[first], scores=[0.0])
-
     def _ready_beam_groups(self, beam_rows) -> list[BeamGroup]:
         """Beams hand their logits to their group; a group steps once every live beam has them."""
         ready = {}
@@ -602,26 +446,6 @@ class LLMEngine:
             if group.add_logits(seq, row):
                 ready[seq.request_id] = group
         return list(ready.values())
-
-    def _step_beams(self, group: BeamGroup, out: SampledOutput) -> None:
-        """BeamGroup.step appends its tokens itself; the beams it forks and drops are left to the
-        scheduler, through `out`."""
-        state = self.requests[group.beams[0].request_id]
-        parents = {}
-
-        def fork(parent: Sequence) -> Sequence:
-            child = Sequence(next(self._seq_counter), parent.request_id, parent.index, parent.prompt_token_ids,
-                             parent.params, parent.max_total_tokens, arrival_time=parent.arrival_time,
-                             priority=parent.priority, cache_salt=parent.cache_salt, lora=parent.lora,
-                             token_ids=list(parent.token_ids))
-            parents[child.seq_id] = parent
-            return child
-
-        group.step(fork=fork, drop=lambda seq: out.finished.append((seq, SequenceStatus.FINISHED_ABORTED)))
-        out.samples += [SequenceSample(seq, [], [], fork_of=parents.get(seq.seq_id)) for seq in group.beams]
-        if group.done:
-            out.finished += [(seq, SequenceStatus.FINISHED_STOPPED) for seq in group.beams]
-        state.seqs = list(group.beams)
 
     def _collect_outputs(self, sampled: SampledOutput) -> list[RequestOutput]:
         outputs = []
@@ -636,45 +460,7 @@ class LLMEngine:
 
     # ---- helpers --------------------------------------------------------------------------
     def stats(self, scheduled_tokens: int = 0, generated: int = 0, step_time: float = 0.0) -> EngineStats:
-        s = self.scheduler
-        stats = EngineStats(len(s.running), len(s.waiting), len(s.swapped), self.kv.num_free_blocks,
-                            self.kv.num_blocks, s.num_preemptions, scheduled_tokens, generated,
-                            self.total_generated_tokens, step_time)
-        if self.spec is not None:
-            st = self.spec.stats
-            stats.spec_num_drafts, stats.spec_num_draft_tokens = st.num_drafts, st.num_draft_tokens
-            stats.spec_num_accepted_tokens, stats.spec_max_batch_size = st.num_accepted_tokens, self.spec.max_batch_size
-        return stats
-
-    def _check_params(self, params) -> SamplingParams:
-        if params is None:
-            params = SamplingParams()
-        elif isinstance(params, dict):
-            params = SamplingParams.from_dict(params)
-        elif not isinstance(params, SamplingParams):
-            raise InvalidRequestError("sampling params must be SamplingParams or a dict", "sampling_params")
-        params.validate_vocab(self.vocab_size)
-        c = self.config
-        width = params.best_of or params.n
-        if width > c.max_best_of:
-            name = "best_of" if params.best_of else "n"
-            raise LimitExceededError(f"{name} {width} is over max_best_of ({c.max_best_of})", name, "max_best_of")
-        for name in ("stop", "stop_token_ids"):
-            if len(getattr(params, name)) > c.max_stop_sequences:
-                raise LimitExceededError(f"{name} has {len(getattr(params, name))} entries, over max_stop_sequences "
-                                         f"({c.max_stop_sequences})", name, "max_stop_sequences")
-        return params
-
-    def check_request_options(self, priority, cache_salt) -> None:
-        """The per-request options beside the sampling parameters (vLLM's `priority`, `cache_salt`)."""
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise InvalidRequestError(f"cache_salt must be a non-empty string, got {cache_salt!r}", "cache_salt")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise InvalidRequestError(f"priority must be an integer, got {priority!r}", "priority")
-        if priority and not getattr(self.scheduler.policy, "uses_priority", False):
-            raise InvalidRequestError(
-                f"priority {priority} given, but the scheduling policy {self.config.scheduling_policy!r} ignores "
-                "priorities (start the engine with scheduling_policy='priority')", "priority")
+        return EngineStats.from_engine(self, scheduled_tokens, generated, step_time)
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.seed is None:
@@ -717,11 +503,3 @@ def _weak_method(method):
         if m is not None:
             m(*args, **kwargs)
     return call
-
-
-def _make_structured_output_backend(hook, name: str, tokenizer, vocab_size: int, stop_token_ids: list[int]):
-    backend = hook.pagedcore_structured_output_backend(name=name, tokenizer=tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=stop_token_ids)
-    if backend is None:
-        raise ValueError(f"no structured outputs backend {name!r} (built in: xgrammar, llguidance)")
-    return backend

@@ -14,6 +14,8 @@ gauge's value, a counter's increase, a histogram's new observations; `MetricsPub
 from a thread. A histogram keeps the count and the sum of the observations in each bucket: observing
 each bucket's mean as many times as that bucket grew gives a push-only histogram the same bucket
 counts and the same sum as ours.
+
+`EngineStats` is the smaller per-step record the engine hands the `pagedcore_step_end` hook.
 """
 
 from __future__ import annotations
@@ -198,6 +200,54 @@ class Update:
         else:
             for _ in range(self.times):
                 metric.observe(self.value)
+
+
+# ---- one step's stats ------------------------------------------------------------------------------------
+@dataclass
+class EngineStats:
+    """One engine step, for the `pagedcore_step_end` hook (`LLMEngine.stats()` outside a step)."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    num_scheduled_tokens: int  # this step
+    num_generated_tokens: int  # this step
+    total_generated_tokens: int
+    step_time: float  # seconds, this step
+    # speculative decoding (zero when off): see SpecDecodeStats
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_max_batch_size: int | None = None  # speculation runs below this batch size now (None: off)
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens a verified sequence emits per step: 1 + its accepted drafts."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
+
+    @property
+    def kv_usage(self) -> float:
+        return 1 - self.num_free_blocks / self.num_total_blocks
+
+    @classmethod
+    def from_engine(cls, engine, scheduled_tokens: int = 0, generated: int = 0, step_time: float = 0.0) -> EngineStats:
+        s = engine.scheduler
+        stats = cls(len(s.running), len(s.waiting), len(s.swapped), engine.kv.num_free_blocks,
+                    engine.kv.num_blocks, s.num_preemptions, scheduled_tokens, generated,
+                    engine.total_generated_tokens, step_time)
+        if engine.spec is not None:
+            st = engine.spec.stats
+            stats.spec_num_drafts, stats.spec_num_draft_tokens = st.num_drafts, st.num_draft_tokens
+            stats.spec_num_accepted_tokens = st.num_accepted_tokens
+            stats.spec_max_batch_size = engine.spec.max_batch_size
+        return stats
 
 
 # ---- the snapshot ---------------------------------------------------------------------------------------

@@ -37,3 +37,43 @@ def peft_model(model_dir, adapter_dir):
 
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     return PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+
+
+def lora_requests(adapters: dict[str, Path]) -> dict:
+    """A LoRARequest per adapter, ids from 1 in order."""
+    from pagedcore.lora import LoRARequest
+
+    return {name: LoRARequest(name, i, str(path)) for i, (name, path) in enumerate(adapters.items(), start=1)}
+
+
+def peft_references(model_dir, adapters: dict[str, Path], prompts: list[list[int]], max_new: int) -> dict:
+    """PEFT's greedy tokens and logprobs per adapter (None: the base model) and prompt."""
+    from conftest import hf_greedy
+    from transformers import AutoModelForCausalLM
+
+    refs = {None: [hf_greedy(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32), p, max_new)
+                   for p in prompts]}
+    for name, path in adapters.items():
+        model = peft_model(model_dir, path)
+        refs[name] = [hf_greedy(model, p, max_new) for p in prompts]
+        del model
+    return refs
+
+
+# ---- the front doors' LoRA tests (test_lora_openai.py, test_lora_triton.py) ------------------------------
+def door_adapters(model_dir, out: Path) -> dict[str, Path]:
+    """The two adapters a door serves: "a" on the attention, "b" on the MLP, other ranks and scales."""
+    return {"a": make_peft_adapter(model_dir, out / "a", seed=1, r=8, target_modules=ATTENTION, lora_alpha=16,
+                                   std=0.2),
+            "b": make_peft_adapter(model_dir, out / "b", seed=2, r=4, target_modules=MLP, lora_alpha=8, std=0.2)}
+
+
+def offline_texts(model_dir, settings: dict, adapters: dict[str, Path], prompt: str, params) -> dict:
+    """The offline engine's text per adapter (None: the base model) under the door's settings: what the
+    door must return."""
+    from pagedcore import LLM
+
+    llm = LLM(str(model_dir), **settings)
+    reqs = {None: None, **lora_requests(adapters)}
+    return {name: llm.generate([prompt], params, use_tqdm=False, lora_request=r)[0].outputs[0].text
+            for name, r in reqs.items()}

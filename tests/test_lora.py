@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_greedy_equal, hf_greedy
-from lora_adapters import ATTENTION, MLP, make_peft_adapter, peft_model
+from conftest import assert_greedy_equal
+from lora_adapters import ATTENTION, MLP, lora_requests, make_peft_adapter, peft_references
 from pagedcore import LLM, SamplingParams
 from pagedcore.lora import LoRARequest, UnknownLoRAError
 from pagedcore.lora.peft_adapter import LoRALoadError
@@ -37,21 +37,9 @@ def adapters(base_dir, tmp_path_factory):
     }
 
 
-def requests(adapters) -> dict:
-    return {name: LoRARequest(name, i, str(path)) for i, (name, path) in enumerate(adapters.items(), start=1)}
-
-
 @pytest.fixture(scope="module")
 def references(base_dir, adapters):
-    """PEFT's greedy tokens and logprobs per adapter (None: the base model) and prompt."""
-    from transformers import AutoModelForCausalLM
-
-    refs = {None: [hf_greedy(AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32), p, MAX_NEW)
-                   for p in PROMPTS]}
-    for name, path in adapters.items():
-        model = peft_model(base_dir, path)
-        refs[name] = [hf_greedy(model, p, MAX_NEW) for p in PROMPTS]
-    return refs
+    return peft_references(base_dir, adapters, PROMPTS, MAX_NEW)
 
 
 def greedy():
@@ -76,7 +64,7 @@ def test_adapters_change_the_output(references):
 
 def test_greedy_per_adapter_equals_peft(base_dir, adapters, references):
     llm = make_llm(base_dir, max_loras=3, max_lora_rank=8)
-    reqs = requests(adapters)
+    reqs = lora_requests(adapters)
     for name in (None, "a", "b", "c"):
         outs = llm.generate(PROMPTS, greedy(), use_tqdm=False, lora_request=reqs.get(name))
         for out, ref in zip(outs, references[name]):
@@ -86,7 +74,7 @@ def test_greedy_per_adapter_equals_peft(base_dir, adapters, references):
 def test_mixed_batch_equals_each_run_alone(base_dir, adapters, references):
     """Base, a, b, c interleaved in one batch (every request admitted in the first step)."""
     llm = make_llm(base_dir, max_loras=3, max_lora_rank=8)
-    reqs = requests(adapters)
+    reqs = lora_requests(adapters)
     names = [None, "a", "b", "c"] * len(PROMPTS)
     prompts = [p for p in PROMPTS for _ in range(4)]
     steps = []
@@ -102,7 +90,7 @@ def test_mixed_batch_equals_each_run_alone(base_dir, adapters, references):
 
 def test_more_adapters_than_max_loras_wait_and_swap_in(base_dir, adapters, references):
     llm = make_llm(base_dir, max_loras=1, max_lora_rank=8, max_num_seqs=8)
-    reqs = requests(adapters)
+    reqs = lora_requests(adapters)
     engine = llm.engine
     seen = []
     step = engine.step
@@ -119,7 +107,7 @@ def test_more_adapters_than_max_loras_wait_and_swap_in(base_dir, adapters, refer
 
 def test_prefix_cache_never_crosses_adapters(base_dir, adapters, references):
     llm = make_llm(base_dir, max_loras=2, max_lora_rank=8, enable_prefix_caching=True)
-    reqs = requests(adapters)
+    reqs = lora_requests(adapters)
     prompt = PROMPTS[1]  # 8 tokens: two full blocks of 4 to reuse
     first = llm.generate([prompt], greedy(), use_tqdm=False, lora_request=reqs["a"])[0]
     again = llm.generate([prompt], greedy(), use_tqdm=False, lora_request=reqs["a"])[0]
@@ -165,7 +153,7 @@ def test_slots_are_reused_least_recently_used_first(base_dir, adapters):
 
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
     manager = LoRAManager(model, max_loras=2, max_rank=8, device=torch.device("cpu"), dtype=torch.float32)
-    a, b, c = (manager.add_lora(r) for r in requests(adapters).values())
+    a, b, c = (manager.add_lora(r) for r in lora_requests(adapters).values())
     cpu = torch.device("cpu")
     manager.prepare([a, None], [3, 1], cpu)
     manager.prepare([b], [1], cpu)

@@ -14,10 +14,9 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("bentoml")
 
-from lora_adapters import ATTENTION, MLP, make_peft_adapter  # noqa: E402
+from lora_adapters import door_adapters, offline_texts  # noqa: E402
 from servers import bentoml_serve, stop, wait_ready  # noqa: E402
-from pagedcore import LLM, SamplingParams  # noqa: E402
-from pagedcore.lora import LoRARequest  # noqa: E402
+from pagedcore import SamplingParams  # noqa: E402
 
 SETTINGS = dict(dtype="float32", num_kv_blocks=64, block_size=4, max_num_seqs=8, num_threads=1, enable_lora=True,
                 max_loras=2, max_lora_rank=8)
@@ -28,9 +27,7 @@ STARTUP_TIMEOUT = 180
 
 @pytest.fixture(scope="module")
 def adapters(tiny_model_dir, tmp_path_factory):
-    base, d = tiny_model_dir("llama"), tmp_path_factory.mktemp("lora-openai")
-    return {"a": make_peft_adapter(base, d / "a", seed=1, r=8, target_modules=ATTENTION, lora_alpha=16, std=0.2),
-            "b": make_peft_adapter(base, d / "b", seed=2, r=4, target_modules=MLP, lora_alpha=8, std=0.2)}
+    return door_adapters(tiny_model_dir("llama"), tmp_path_factory.mktemp("lora-openai"))
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +46,8 @@ def server(tiny_model_dir, adapters, tmp_path_factory):
 @pytest.fixture(scope="module")
 def offline(tiny_model_dir, adapters):
     """Greedy texts per adapter from the offline engine, same settings."""
-    llm = LLM(str(tiny_model_dir("llama")), **SETTINGS)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    reqs = {None: None, "a": LoRARequest("a", 1, str(adapters["a"])), "b": LoRARequest("b", 2, str(adapters["b"]))}
-    return {name: llm.generate([PROMPT], params, use_tqdm=False, lora_request=r)[0].outputs[0].text
-            for name, r in reqs.items()}
+    return offline_texts(tiny_model_dir("llama"), SETTINGS, adapters, PROMPT, params)
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,10 @@ each run alone, and the prefix cache gives the same prompt under each adapter it
 from __future__ import annotations
 
 import pytest
-import torch
 
-from conftest import assert_greedy_equal, hf_greedy
-from lora_adapters import ATTENTION, MLP, make_peft_adapter, peft_model
+from conftest import assert_greedy_equal
+from lora_adapters import ATTENTION, MLP, lora_requests, make_peft_adapter, peft_references
 from pagedcore import LLM, SamplingParams
-from pagedcore.lora import LoRARequest
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 16
@@ -28,16 +26,7 @@ def adapters(smollm2_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references(smollm2_dir, adapters, chat_prompt_ids):
-    from transformers import AutoModelForCausalLM
-
-    prompts = chat_prompt_ids[:NUM_PROMPTS]
-    refs = {None: [hf_greedy(AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32), p, MAX_NEW)
-                   for p in prompts]}
-    for name, path in adapters.items():
-        model = peft_model(smollm2_dir, path)
-        refs[name] = [hf_greedy(model, p, MAX_NEW) for p in prompts]
-        del model
-    return refs
+    return peft_references(smollm2_dir, adapters, chat_prompt_ids[:NUM_PROMPTS], MAX_NEW)
 
 
 def greedy():
@@ -55,7 +44,7 @@ def test_smollm2_adapters_equal_peft_alone_and_mixed(smollm2_dir, adapters, refe
             f"adapter {name} does not change every output"
     llm = LLM(str(smollm2_dir), dtype="float32", num_kv_blocks=256, enable_lora=True, max_loras=2, max_lora_rank=16,
               enable_prefix_caching=True)
-    reqs = {name: LoRARequest(name, i, str(path)) for i, (name, path) in enumerate(adapters.items(), start=1)}
+    reqs = lora_requests(adapters)
     prompts = chat_prompt_ids[:NUM_PROMPTS]
     for name in ("a", "b"):
         for out, ref in zip(llm.generate(prompts, greedy(), use_tqdm=False, lora_request=reqs[name]), references[name]):

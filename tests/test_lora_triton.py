@@ -12,11 +12,10 @@ import requests
 pytest.importorskip("tritonclient.grpc")
 pytest.importorskip("pytriton")
 
-from lora_adapters import ATTENTION, MLP, make_peft_adapter  # noqa: E402
-from pagedcore import LLM, SamplingParams  # noqa: E402
+from lora_adapters import door_adapters, offline_texts  # noqa: E402
+from pagedcore import SamplingParams  # noqa: E402
 from pagedcore.adapters.triton_launcher import TritonServer  # noqa: E402
 from pagedcore.bench.serve import free_ports  # noqa: E402
-from pagedcore.lora import LoRARequest  # noqa: E402
 
 SETTINGS = dict(dtype="float32", num_kv_blocks=64, block_size=4, max_num_seqs=8, num_threads=1, enable_lora=True,
                 max_loras=1, max_lora_rank=8)
@@ -26,9 +25,7 @@ PARAMS = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def adapters(tiny_model_dir, tmp_path_factory):
-    base, d = tiny_model_dir("llama"), tmp_path_factory.mktemp("lora-triton")
-    return {"a": make_peft_adapter(base, d / "a", seed=1, r=8, target_modules=ATTENTION, lora_alpha=16, std=0.2),
-            "b": make_peft_adapter(base, d / "b", seed=2, r=4, target_modules=MLP, lora_alpha=8, std=0.2)}
+    return door_adapters(tiny_model_dir("llama"), tmp_path_factory.mktemp("lora-triton"))
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +48,7 @@ def server(tiny_model_dir, adapters, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline(tiny_model_dir, adapters):
-    llm = LLM(str(tiny_model_dir("llama")), **SETTINGS)
-    reqs = {None: None, **{name: LoRARequest(name, i, str(p)) for i, (name, p) in enumerate(adapters.items(), 1)}}
-    return {name: llm.generate([PROMPT], SamplingParams(**PARAMS), use_tqdm=False, lora_request=r)[0].outputs[0].text
-            for name, r in reqs.items()}
+    return offline_texts(tiny_model_dir("llama"), SETTINGS, adapters, PROMPT, SamplingParams(**PARAMS))
 
 
 def generate(server, lora_name: str | None) -> requests.Response:

@@ -9,6 +9,7 @@ After the forward, `verify` turns those rows into each sequence's accepted draft
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -91,6 +92,20 @@ class SpecDecoder:
         return num
 
     # ---- after the forward ----------------------------------------------------------------------------
+    def verify_drafted(self, seqs: list[Sequence], logits: torch.Tensor, eos_token_ids, make_logprobs):
+        """Verify the sequences with drafts (1 + k logits rows each); return their samples and the
+        others with their one row each."""
+        counts = [1 + s.num_draft_tokens for s in seqs]
+        starts = list(itertools.accumulate(counts, initial=0))
+        drafted = [i for i, s in enumerate(seqs) if s.num_draft_tokens]
+        plain = [i for i, s in enumerate(seqs) if not s.num_draft_tokens]
+        dev = logits.device
+        rows = [r for i in drafted for r in range(starts[i], starts[i + 1])]
+        samples = self.verify([seqs[i] for i in drafted], logits[torch.tensor(rows, device=dev)], eos_token_ids,
+                              make_logprobs)
+        plain_logits = logits[torch.tensor([starts[i] for i in plain], dtype=torch.long, device=dev)]
+        return samples, [seqs[i] for i in plain], plain_logits
+
     def verify(self, seqs: list[Sequence], logits: torch.Tensor, eos_token_ids, make_logprobs) -> list[SequenceSample]:
         """`logits`: each sequence's 1 + num_draft_tokens rows, in order."""
         params, prompts, outputs, generators, drafts = [], [], [], [], []

@@ -44,6 +44,27 @@ class StructuredOutputGrammar(ABC):
         """An independent copy in the same state (n > 1 samples, beams)."""
 
 
+class MatcherGrammar(StructuredOutputGrammar):
+    """A grammar over one library matcher that rolls back by a token count and forks into a copy
+    (xgrammar's and llguidance's); a subclass says how to accept, mask, end and copy."""
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
+        self.num_accepted_tokens -= num_tokens
+
+    def fork(self) -> "MatcherGrammar":
+        copy = type(self)(self._fork_matcher())
+        copy.num_accepted_tokens = self.num_accepted_tokens
+        return copy
+
+    @abstractmethod
+    def _fork_matcher(self):
+        """An independent copy of the matcher, in the same state."""
+
+
 class StructuredOutputBackend(ABC):
     """Compiles specs for one tokenizer and vocabulary (the logits' width)."""
 

@@ -9,15 +9,14 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
-from pagedcore.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
+from pagedcore.structured_output.backend import MatcherGrammar, StructuredOutputBackend
 from pagedcore.structured_output.params import StructuredOutputsParams
 
 _COMPACT = {"whitespace_flexible": False}  # as xgrammar's any_whitespace=False: no stalling in spaces
 
 
-class LLGuidanceGrammar(StructuredOutputGrammar):
-    def __init__(self, matcher: llguidance.LLMatcher):
-        self.matcher = matcher
+class LLGuidanceGrammar(MatcherGrammar):
+    matcher: llguidance.LLMatcher
 
     def _accept_token(self, token_id: int) -> bool:
         return self.matcher.consume_token(token_id) and not self.matcher.is_error()
@@ -28,14 +27,8 @@ class LLGuidanceGrammar(StructuredOutputGrammar):
     def is_terminated(self) -> bool:
         return self.matcher.is_stopped()
 
-    def rollback(self, num_tokens: int) -> None:
-        self.matcher.rollback(num_tokens)
-        self.num_accepted_tokens -= num_tokens
-
-    def fork(self) -> "LLGuidanceGrammar":
-        copy = LLGuidanceGrammar(self.matcher.deep_copy())
-        copy.num_accepted_tokens = self.num_accepted_tokens
-        return copy
+    def _fork_matcher(self) -> llguidance.LLMatcher:
+        return self.matcher.deep_copy()
 
 
 class LLGuidanceBackend(StructuredOutputBackend):

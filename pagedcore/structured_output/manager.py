@@ -3,11 +3,13 @@
 Compiles run in a small thread pool, cached by the spec (a repeated schema compiles once); a
 request waits in the scheduler's queue until its future is done, without holding up the batch.
 The backend itself (for xgrammar: the tokenizer's vocabulary tables, ~0.2 s) is built on first
-use, in the pool: an engine that never sees a constrained request pays nothing.
+use, in the pool: an engine that never sees a constrained request pays nothing. The manager also
+holds each queued request's future until the engine attaches its grammar (`add_request`, `pop_done`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from collections import OrderedDict
@@ -32,6 +34,7 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._lock = threading.Lock()
         self.compile_times: list[float] = []  # seconds per compiled spec (cache misses), for the benchmark
+        self._compiling: dict[str, Future] = {}  # request id -> its grammar's future, until attached
 
     @property
     def backend(self) -> StructuredOutputBackend:
@@ -73,6 +76,23 @@ class StructuredOutputManager:
         self.compile_times.append(time.perf_counter() - t0)
         return compiled
 
+    # ---- requests waiting for their grammar -------------------------------------------------------------
+    def add_request(self, request_id: str, future: Future) -> None:
+        self._compiling[request_id] = future
+
+    def pop_done(self) -> list[tuple[str, Future]]:
+        """The waiting requests whose grammar is compiled (or failed), no longer waited for."""
+        done = [(rid, future) for rid, future in self._compiling.items() if future.done()]
+        for rid, _ in done:
+            del self._compiling[rid]
+        return done
+
+    def wait_for_compiles(self, timeout: float = 0.05) -> None:
+        """Nothing to run but grammars compiling: wait for one (briefly) rather than spin."""
+        if self._compiling:
+            concurrent.futures.wait(list(self._compiling.values()), timeout=timeout,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+
     def matcher(self, compiled: object) -> StructuredOutputGrammar:
         return self.backend.matcher(compiled)
 
@@ -88,3 +108,12 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def make_backend(hook, name: str, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> StructuredOutputBackend:
+    """The backend `name`, through the hook, so a plugin may add one."""
+    backend = hook.pagedcore_structured_output_backend(name=name, tokenizer=tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=stop_token_ids)
+    if backend is None:
+        raise ValueError(f"no structured outputs backend {name!r} (built in: xgrammar, llguidance)")
+    return backend

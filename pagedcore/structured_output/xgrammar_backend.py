@@ -7,13 +7,12 @@ import json
 import torch
 import xgrammar as xgr
 
-from pagedcore.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar, choice_ebnf
+from pagedcore.structured_output.backend import MatcherGrammar, StructuredOutputBackend, choice_ebnf
 from pagedcore.structured_output.params import StructuredOutputsParams
 
 
-class XGrammarGrammar(StructuredOutputGrammar):
-    def __init__(self, matcher: xgr.GrammarMatcher):
-        self.matcher = matcher
+class XGrammarGrammar(MatcherGrammar):
+    matcher: xgr.GrammarMatcher
 
     def _accept_token(self, token_id: int) -> bool:
         return self.matcher.accept_token(token_id)
@@ -24,14 +23,8 @@ class XGrammarGrammar(StructuredOutputGrammar):
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
 
-    def rollback(self, num_tokens: int) -> None:
-        self.matcher.rollback(num_tokens)
-        self.num_accepted_tokens -= num_tokens
-
-    def fork(self) -> "XGrammarGrammar":
-        copy = XGrammarGrammar(self.matcher.fork())
-        copy.num_accepted_tokens = self.num_accepted_tokens
-        return copy
+    def _fork_matcher(self) -> xgr.GrammarMatcher:
+        return self.matcher.fork()
 
 
 class XGrammarBackend(StructuredOutputBackend):
