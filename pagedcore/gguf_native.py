@@ -4,7 +4,9 @@ Per block of 32 weights along a row (one output), as llama.cpp stores them:
   Q4_0: fp16 d, 16 bytes of nibbles            w = (q - 8) * d   -> Int4Linear, scale d, lo -8d
   Q4_1: fp16 d, fp16 m, 16 bytes of nibbles    w = q * d + m     -> Int4Linear, scale d, lo m
   Q8_0: fp16 d, 32 int8                        w = q * d         -> Int8Linear, groups of 32
-(nibbles: byte j holds element j in its low half and element j + 16 in its high half). Everything else
+(nibbles: byte j holds element j in its low half and element j + 16 in its high half). At decode the 4-bit
+linears take int8 activations per 32 inputs, as llama.cpp's Q4 x Q8 dot products do; prefill rows and
+`PAGEDCORE_INT4_ACTIVATIONS=fp32` multiply by the exact de-quantized weights. Everything else
 (embeddings, norms, K-quants and other types) comes de-quantized from the HF directory that the default
 path converts once (model_loader.gguf_to_hf_dir), so the skeleton and those tensors are transformers'.
 
@@ -48,7 +50,10 @@ def int4_linear(raw: np.ndarray, qtype: str, bias, dtype: torch.dtype) -> nn.Mod
     lo = f16(blocks, 2) if q4_1 else -8 * d
     qs = torch.from_numpy(np.ascontiguousarray(blocks[..., 4 if q4_1 else 2:]))  # [N, blocks, 16]
     q = torch.cat([qs & 0xF, qs >> 4], -1).reshape(raw.shape[0], -1)  # elements 0..15, then 16..31
-    return Int4Linear.from_codes(q, d, lo, bias, dtype, BLOCK)
+    # llama.cpp multiplies its 4-bit blocks with int8-quantized activations (Q8 blocks of 32) at decode;
+    # so does this (M <= quantization.INT8_ACTIVATION_ROWS): it halves the instructions per weight read.
+    # PAGEDCORE_INT4_ACTIVATIONS=fp32 computes with the exact de-quantized weights instead.
+    return Int4Linear.from_codes(q, d, lo, bias, dtype, BLOCK, int8_activations=True)
 
 
 def int8_linear(raw: np.ndarray, bias, dtype: torch.dtype) -> nn.Module:

@@ -8,8 +8,9 @@ quantizes the activations to int8 per 32 inputs and multiplies in integers, as l
 blocks): dequantizing every weight to fp32 costs more instructions than reading it, so that path is
 ALU-bound at ~2x the time. Larger M (prefill) keeps fp32 activations, dequantizing each panel once.
 `PAGEDCORE_INT4_ACTIVATIONS=fp32` keeps fp32 activations at every M (exact, the A/B reference).
-Checkpoints' own int4 formats (`from_codes`: compressed-tensors W4A16, ...) keep fp32 activations:
-their output is defined with unquantized activations.
+Checkpoints' own int4 formats (`from_codes`: GPTQ, AWQ, compressed-tensors W4A16) keep fp32 activations:
+their output is defined with unquantized activations. GGUF's Q4_0 / Q4_1 take int8 activations at decode,
+as llama.cpp computes them.
 The bundled GGUF is Q4_1 (per 32 weights: w = q * d + m, q in 0..15, with q = 0 at the group's min
 and 15 at its max), so min/max re-quantization recovers its own 4-bit grid exactly (fp32 scale and min).
 With fp32 activations results differ from the bf16 path at bf16-level precision; int8 activations add

@@ -41,6 +41,8 @@ def test_throughput_smoke_with_peers(tiny_model_dir, tmp_path, no_peer_venvs, ca
     assert single["pagedcore"]["output_tokens"] == 4 and single["pagedcore"]["tpot_s"] > 0
     # an fp32 run also measures bf16 weights on one stream, against their own read time
     assert single["pagedcore-bf16"]["output_tokens"] == 4 and single["pagedcore-bf16"]["weight_read_ms"] > 0
+    assert single["pagedcore-int4"]["output_tokens"] == 4
+    assert "pagedcore-gguf" not in single  # an HF directory has no GGUF blocks to serve (the bundled model does)
     assert [r["batch"] for r in report["step_profile"]] == [1, 2]
     assert all(r["layered"]["gemm"] > 0 and r["step_ms"] > 0 for r in report["step_profile"])  # the stack's split
     assert 0 <= report["kv_waste_pct"] < 100
@@ -62,7 +64,7 @@ def synthetic_report(**over) -> dict:
         "ratios": {"hf-static": 12.0, "hf-cb": 2.0, "vllm": 1.6, "openvino": 1.4},
         "roofline": {"fraction": 0.8, "weight_read_ms": 6.0},
         "single_stream": [{"peer": "pagedcore", "tpot_s": 0.0085}, {"peer": "pagedcore-int4", "tpot_s": 0.004},
-                          {"peer": "llama-cpp", "tpot_s": 0.005}],
+                          {"peer": "pagedcore-gguf", "tpot_s": 0.0045}, {"peer": "llama-cpp", "tpot_s": 0.005}],
         "cold_start_s": 3.9, "kv_waste_pct": 2.5, "dtype": "bfloat16",
     }
     report.update(over)
@@ -74,7 +76,7 @@ def test_targets_of_issue_13_on_a_synthetic_report():
     names = {t["name"]: t for t in rows}
     assert list(names) == ["output tok/s vs best CPU peer", "output tok/s vs hf-cb",
                            "fraction of the matmul roofline", "single-stream TPOT pagedcore-int4 / llama.cpp's",
-                           "single-stream bf16 TPOT / weight-read time", "cold start to first token (s)",
+                           "single-stream TPOT pagedcore-gguf / llama.cpp's", "single-stream bf16 TPOT / weight-read time", "cold start to first token (s)",
                            "KV waste (% of allocated slots)"]
     best = names["output tok/s vs best CPU peer"]
     # pagedcore / max(openvino, vllm) tok/s: the faster peer is the one pagedcore beats by less.
@@ -85,6 +87,8 @@ def test_targets_of_issue_13_on_a_synthetic_report():
     assert names["fraction of the matmul roofline"]["target"] == ">= 0.75"
     int4 = names["single-stream TPOT pagedcore-int4 / llama.cpp's"]
     assert int4["value"] == 0.8 and int4["target"] == "<= 1.0x" and int4["met"] is True
+    native = names["single-stream TPOT pagedcore-gguf / llama.cpp's"]
+    assert native["value"] == pytest.approx(0.9) and native["target"] == "<= 1.0x" and native["met"] is True
     floor = names["single-stream bf16 TPOT / weight-read time"]
     assert floor["value"] == pytest.approx(8.5 / 6.0, abs=1e-3) and floor["target"] == "<= 1.5x" and floor["met"]
     assert names["cold start to first token (s)"]["met"] is True and names["KV waste (% of allocated slots)"]["met"]
@@ -94,9 +98,10 @@ def test_targets_of_issue_13_on_a_synthetic_report():
                                     roofline={"fraction": 0.74, "weight_read_ms": 5.0},
                                     single_stream=[{"peer": "pagedcore", "tpot_s": 0.0076},
                                                    {"peer": "pagedcore-int4", "tpot_s": 0.0051},
+                                                   {"peer": "pagedcore-gguf", "tpot_s": 0.00501},
                                                    {"peer": "llama-cpp", "tpot_s": 0.005}],
                                     cold_start_s=5.0, kv_waste_pct=4.0))
-    assert [t["met"] for t in rows] == [False] * 7
+    assert [t["met"] for t in rows] == [False] * 8
     assert rows[0]["peer"] == "vllm" and rows[0]["value"] == 1.29
 
 
@@ -107,7 +112,8 @@ def test_targets_when_openvino_or_both_peers_are_missing():
     neither = {t["name"]: t for t in targets(synthetic_report(ratios={"hf-cb": 2.0}, roofline={},
                                                               single_stream=[]))}
     for name in ("output tok/s vs best CPU peer", "fraction of the matmul roofline",
-                 "single-stream TPOT pagedcore-int4 / llama.cpp's", "single-stream bf16 TPOT / weight-read time"):
+                 "single-stream TPOT pagedcore-int4 / llama.cpp's", "single-stream TPOT pagedcore-gguf / llama.cpp's",
+                 "single-stream bf16 TPOT / weight-read time"):
         assert neither[name]["value"] is None and neither[name]["met"] is None, name  # not measured, not claimed
     assert neither["output tok/s vs best CPU peer"]["peer"] is None
     assert neither["output tok/s vs hf-cb"]["met"] is True
@@ -149,7 +155,7 @@ def test_bf16_tpot_target_of_an_fp32_run_uses_the_bf16_row():
     assert names["single-stream bf16 TPOT / weight-read time"]["value"] == pytest.approx(10.0 / 6.0, rel=1e-3)
     assert names["single-stream bf16 TPOT / weight-read time"]["met"] is False
     report["single_stream"].pop()
-    assert targets(report)[4]["met"] is None  # no bf16 row: not assessed
+    assert targets(report)[5]["met"] is None  # no bf16 row: not assessed
 
 
 def test_structured_json_bench_smoke(tiny_model_dir, tmp_path):

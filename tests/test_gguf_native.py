@@ -11,10 +11,11 @@ gguf = pytest.importorskip("gguf")
 
 from conftest import hf_greedy  # noqa: E402
 from pagedcore import LLM, SamplingParams  # noqa: E402
-from pagedcore import gguf_native  # noqa: E402
+from pagedcore import gguf_native, quantization  # noqa: E402
 from pagedcore.model_loader import bundled_gguf_path, load_model_and_tokenizer, resolve_model_dir  # noqa: E402
 from pagedcore.quantization import Int4Linear, Int8Linear  # noqa: E402
 from quantized_models import tiny_llama  # noqa: E402
+from test_quantization import FLOOR_AGREEMENT, common_prefix  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 GGUF_LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -123,8 +124,44 @@ def test_each_layer_equals_ggufs_own_dequantization(gguf_files, qtype):
         torch.testing.assert_close(got, torch.from_numpy(w), atol=1e-6, rtol=1e-5)
 
 
+@pytest.fixture
+def exact_activations(monkeypatch):
+    """fp32 activations at every M: the de-quantized weights exactly (decode rows' int8 activations: below)."""
+    monkeypatch.setattr(quantization, "INT8_ACTIVATION_ROWS", 0)
+
+
+def q8_activations(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's activation blocks (Q8, 32 inputs, d = max|x| / 127, round to nearest), de-quantized;
+    d kept in fp32 (llama.cpp stores it as fp16)."""
+    blocks = x.double().view(*x.shape[:-1], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(blocks / d) * d).view(x.shape)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_decode_rows_compute_as_llama_cpp_does(gguf_files, qtype, rows):
+    """Decode rows (M <= INT8_ACTIVATION_ROWS): 4-bit blocks times int8 activation blocks, which is
+    gguf's de-quantized weight times llama.cpp's de-quantized Q8 activations, to fp32 summation order."""
+    if quantization.cpu_ext.load() is None:
+        pytest.skip("torch's int4 kernel (no C++ ops) keeps the activations as they are")
+    assert rows <= quantization.INT8_ACTIVATION_ROWS
+    path, written = gguf_files[qtype]
+    ours, _ = load_model_and_tokenizer(str(path), torch.float32, CPU, quantization="gguf")
+    g = torch.Generator().manual_seed(rows)
+    for hf, name in [("mlp.down_proj", "blk.1.ffn_down.weight"), ("self_attn.v_proj", "blk.0.attn_v.weight")]:
+        t, data = written[name]
+        w = torch.from_numpy(gguf.quants.dequantize(data, t)).double()
+        module = ours.get_submodule(f"model.layers.{name.split('.')[1]}.{hf}")
+        x = torch.randn(rows, module.in_features, generator=g)
+        got = module(x).double()
+        want, exact = q8_activations(x) @ w.T, x.double() @ w.T
+        torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
+        assert (got - exact).abs().max() > 1e-4 * exact.abs().max()  # the activations were quantized
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "mixed"])
-def test_logits_equal_the_dequantized_default(gguf_files, qtype):
+def test_logits_equal_the_dequantized_default(gguf_files, qtype, exact_activations):
     path = str(gguf_files[qtype][0])
     ours, _ = load_model_and_tokenizer(path, torch.float32, CPU, quantization="gguf")
     ref, _ = load_model_and_tokenizer(path, torch.float32, CPU)
@@ -139,7 +176,7 @@ def test_logits_equal_the_dequantized_default(gguf_files, qtype):
     torch.testing.assert_close(b, a, atol=1e-4 * a.abs().max().item(), rtol=1e-4)
 
 
-def test_engine_greedy_equals_transformers_gguf_loader(gguf_files):
+def test_engine_greedy_equals_transformers_gguf_loader(gguf_files, exact_activations):
     from transformers import AutoModelForCausalLM
 
     path = gguf_files["mixed"][0]
@@ -164,9 +201,11 @@ def test_other_architectures_are_refused_naming_what_is_supported(tmp_path, toke
 
 
 @pytest.mark.slow
-def test_bundled_q4_1_model_native_matches_dequantized(chat_prompt_ids):
-    """The bundled SmolLM2 (Q4_1 linears, Q8_0 embedding): the same weights either way, so logits agree to
-    fp32 summation order and greedy text is the same."""
+def test_bundled_q4_1_model_native_matches_dequantized(chat_prompt_ids, monkeypatch):
+    """The bundled SmolLM2 (Q4_1 linears, Q8_0 embedding): the same weights either way, so with fp32
+    activations logits agree to fp32 summation order and greedy text is the same; with int8 activations at
+    decode (the default, llama.cpp's scheme) greedy text agrees up to near-tied tokens."""
+    monkeypatch.setattr(quantization, "INT8_ACTIVATION_ROWS", 0)
     ours, _ = load_model_and_tokenizer(None, torch.float32, CPU, quantization="gguf")
     ref, _ = load_model_and_tokenizer(None, torch.float32, CPU)
     assert sum(isinstance(m, Int4Linear) for m in ours.modules()) == 210
@@ -178,6 +217,12 @@ def test_bundled_q4_1_model_native_matches_dequantized(chat_prompt_ids):
     del ours, ref
     params = SamplingParams(temperature=0.0, max_tokens=24)
     prompts = chat_prompt_ids[:4]
-    got = [o.outputs[0].token_ids for o in LLM(quantization="gguf", num_kv_blocks=128).generate(prompts, params)]
+    native = LLM(quantization="gguf", num_kv_blocks=128)
+    got = [o.outputs[0].token_ids for o in native.generate(prompts, params)]
     want = [o.outputs[0].token_ids for o in LLM(num_kv_blocks=128).generate(prompts, params)]
     assert got == want
+    monkeypatch.setattr(quantization, "INT8_ACTIVATION_ROWS", quantization.int8_activation_rows("int8"))
+    int8 = [o.outputs[0].token_ids for o in native.generate(prompts, params)]
+    agree = [common_prefix(a, b) for a, b in zip(want, int8)]
+    print("GGUF int8 vs fp32 activations, tokens before the first divergence:", agree)
+    assert sum(agree) >= FLOOR_AGREEMENT * sum(map(len, want))

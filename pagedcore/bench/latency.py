@@ -34,12 +34,14 @@ def single_stream_dtype(settings: dict, dtype: str, prompt: list[int], max_token
                 weight_bytes=weight_bytes(engine.model))
 
 
-def single_stream_int4(settings: dict, prompt: list[int], max_tokens: int) -> dict:
-    """The same, on an engine with int4 weights (what llama.cpp runs on the bundled Q4_1 GGUF)."""
+def single_stream_quantized(settings: dict, quantization: str, prompt: list[int], max_tokens: int) -> dict:
+    """The same, on an engine with 4-bit weights: "int4" (re-quantized by pagedcore) or "gguf" (the
+    GGUF file's own Q4 blocks; `settings["model"]` is then the .gguf): what llama.cpp runs on the same file."""
     from pagedcore import LLMEngine
 
-    row = single_stream(LLMEngine(**dict(settings, quantization="int4")), prompt, max_tokens)
-    return dict(row, engine="pagedcore (int4 weights)", peer="pagedcore-int4")
+    row = single_stream(LLMEngine(**dict(settings, quantization=quantization)), prompt, max_tokens)
+    label = "int4 weights" if quantization == "int4" else "GGUF Q4 blocks as shipped"
+    return dict(row, engine=f"pagedcore ({label})", peer=f"pagedcore-{quantization}")
 
 
 COLD_START = """

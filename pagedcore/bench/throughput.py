@@ -130,6 +130,9 @@ def targets(report: dict) -> list[dict]:
     ratio = (single["pagedcore-int4"]["tpot_s"] / single["llama-cpp"]["tpot_s"]
              if {"pagedcore-int4", "llama-cpp"} <= set(single) else None)
     add("single-stream TPOT pagedcore-int4 / llama.cpp's", ratio, "<= 1.0x", ratio is not None and ratio <= 1.0)
+    ratio = (single["pagedcore-gguf"]["tpot_s"] / single["llama-cpp"]["tpot_s"]
+             if {"pagedcore-gguf", "llama-cpp"} <= set(single) else None)
+    add("single-stream TPOT pagedcore-gguf / llama.cpp's", ratio, "<= 1.0x", ratio is not None and ratio <= 1.0)
     # bf16 weights: the run's own engine when it runs bf16, else the extra bf16 single-stream row.
     bf16 = "pagedcore" if report.get("dtype") == "bfloat16" else "pagedcore-bf16"
     read_ms = (report.get("roofline", {}).get("weight_read_ms") if bf16 == "pagedcore"
@@ -186,11 +189,21 @@ def print_report(report: dict) -> None:
         print(f"target {t['name']}: {t['value']} (want {t['target']}): {state}")
 
 
+def bundled_gguf_path_or_none(model: str | None) -> str | None:
+    """The bundled GGUF when the run is on the bundled model (what llama.cpp and the GGUF-native engine read)."""
+    from pagedcore.model_loader import bundled_gguf_path
+
+    try:
+        return str(bundled_gguf_path()) if model is None else None
+    except FileNotFoundError:
+        return None
+
+
 def main(args) -> int:
     import torch
     from transformers import AutoConfig
 
-    from pagedcore.model_loader import bundled_gguf_path, resolve_model_dir
+    from pagedcore.model_loader import resolve_model_dir
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -256,16 +269,17 @@ def main(args) -> int:
             row["weight_read_ms"] = row.pop("weight_bytes") / (read_gbs * 1e9) * 1e3
         single.append(row)
     if args.single_stream and args.int4_stream:
-        single.append(latency.single_stream_int4(settings, stream_prompt, stream_len))
+        single.append(latency.single_stream_quantized(settings, "int4", stream_prompt, stream_len))
+    gguf_path = bundled_gguf_path_or_none(args.model)
+    if args.single_stream and args.int4_stream and gguf_path:
+        single.append(latency.single_stream_quantized(dict(settings, model=gguf_path), "gguf", stream_prompt,
+                                                      stream_len))
 
     spec = {"model_dir": model_dir, "dtype": args.dtype, "threads": threads, "prompts": prompts,
             "output_lens": out_lens, "mode": "throughput",
             "options": {"batch_size": args.hf_batch_size, "max_num_seqs": args.max_num_seqs,
                         "max_num_batched_tokens": args.max_num_batched_tokens}}
-    try:
-        spec["gguf_path"] = str(bundled_gguf_path()) if args.model is None else None
-    except FileNotFoundError:
-        spec["gguf_path"] = None
+    spec["gguf_path"] = gguf_path
     for peer in peers:
         if peer.name == "llama-cpp" and not spec["gguf_path"]:
             report["results"].append({"engine": peer.label, "peer": peer.name, "skipped": "needs the bundled GGUF"})
@@ -318,7 +332,8 @@ def add_parser(bsub) -> None:
     t.add_argument("--stream-input", type=int, default=128, help="single-stream prompt tokens")
     t.add_argument("--stream-output", type=int, default=128, help="single-stream output tokens")
     t.add_argument("--no-int4-stream", dest="int4_stream", action="store_false",
-                   help="skip the single-stream run with int4 weights (the 4-bit comparison with llama.cpp)")
+                   help="skip the single-stream runs with 4-bit weights (int4, and the bundled GGUF's own "
+                   "blocks: the 4-bit comparisons with llama.cpp)")
     t.add_argument("--no-cold-start", dest="cold_start", action="store_false")
     t.add_argument("--no-step-profile", dest="step_profile", action="store_false",
                    help="skip the decode step profile (prepare / GEMMs / attention / ... at --profile-batches)")
