@@ -110,7 +110,8 @@ def _fuse_packed(ext, members: list[nn.Linear], widths: tuple[int, ...]) -> Fuse
 def _fuse_int4(ext, members: list[Int4Linear], widths: tuple[int, ...]) -> FusedProjection | None:
     first = members[0]
     same = all(m.ext is not None and m.input_perm is None and m.group_size == first.group_size
-               and m.int8_activations == first.int8_activations for m in members)
+               and m.int8_activations == first.int8_activations
+               and m.scales_and_zeros.dtype == first.scales_and_zeros.dtype for m in members)
     if not same:
         return None
     packed = torch.cat([m.packed for m in members])

@@ -12,7 +12,8 @@ Checkpoints' own int4 formats (`from_codes`: GPTQ, AWQ, compressed-tensors W4A16
 their output is defined with unquantized activations. GGUF's Q4_0 / Q4_1 take int8 activations at decode,
 as llama.cpp computes them.
 The bundled GGUF is Q4_1 (per 32 weights: w = q * d + m, q in 0..15, with q = 0 at the group's min
-and 15 at its max), so min/max re-quantization recovers its own 4-bit grid exactly (fp32 scale and min).
+and 15 at its max, d and m fp16), so min/max re-quantization recovers its own 4-bit grid exactly; scale and
+min are rounded to fp16 as Q4_1's are (1 bit per weight of scales instead of 2).
 With fp32 activations results differ from the bf16 path at bf16-level precision; int8 activations add
 their rounding (relative ~0.3-1% per linear), as llama.cpp's do.
 """
@@ -45,6 +46,22 @@ def int8_activation_rows(setting: str) -> int:
 INT8_ACTIVATION_ROWS = int8_activation_rows(os.environ.get("PAGEDCORE_INT4_ACTIVATIONS", "int8"))
 
 
+def exactly_fp16(t: torch.Tensor) -> bool:
+    """Every value of fp32 `t` is an fp16 (finite, no rounding, no underflow)."""
+    half = t.half()
+    return bool(half.isfinite().all()) and bool((half.float() == t).all())
+
+
+def fp16_if_representable(lo: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`lo` and `scale` rounded to fp16 (then stored in half the bytes) when they stay finite; as they are
+    otherwise (weights past fp16's range)."""
+    # A constant group (scale at fp32's tiny) takes fp16's smallest step: its codes are 0 all the same.
+    lo16, scale16 = lo.half().float(), scale.half().float().clamp(min=2.0 ** -24)
+    if lo16.isfinite().all() and scale16.isfinite().all():
+        return lo16, scale16
+    return lo, scale
+
+
 class Int4Linear(nn.Module):
     def __init__(self, linear: nn.Linear, dtype: torch.dtype, group_size: int = GROUP_SIZE):
         """Round `linear`'s weight to 4 bits per group (min/max, asymmetric)."""
@@ -53,6 +70,7 @@ class Int4Linear(nn.Module):
         w = linear.weight.detach().float().view(n, k // group_size, group_size)
         lo, hi = w.amin(-1), w.amax(-1)
         scale = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        lo, scale = fp16_if_representable(lo, scale)  # fp16 like GGUF's Q4_1: the codes are chosen on it
         q = ((w - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
         self._pack(q, scale, lo, linear.bias, dtype, group_size, linear.weight.device)
         self.int8_activations = True  # llama.cpp's scheme for its GGUF grid: int8 activations at decode
@@ -80,7 +98,10 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
         self.ext = cpu_ext.load() if device.type == "cpu" else None
         if self.ext is not None:
-            # pagedcore's kernel: w = q * scale + min with fp32 scale and min (the GGUF grid exactly).
+            # pagedcore's kernel: w = q * scale + min, scale and min kept exactly: fp16 panels where every
+            # value is an fp16 (GGUF's, pagedcore's own, symmetric GPTQ's), else fp32 (-zero * scale).
+            if exactly_fp16(scale) and exactly_fp16(lo):
+                scale, lo = scale.half(), lo.half()
             packed, scale_min = self.ext.pack_int4_weight(q.to(torch.uint8), scale, lo, group_size)
             self.register_buffer("packed", packed)
             self.register_buffer("scales_and_zeros", scale_min)

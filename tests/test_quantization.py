@@ -12,12 +12,13 @@ from pagedcore.quantization import GROUP_SIZE, Int4Linear, quantize_int4
 
 
 def q4_1_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """A weight on a Q4_1 grid, as the bundled GGUF stores it: per 32 values w = q * d + m, q = 0 and 15 used."""
+    """A weight on a Q4_1 grid, as the bundled GGUF stores it: per 32 values w = q * d + m with fp16 d and m,
+    q = 0 and 15 used."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (n, k // GROUP_SIZE, GROUP_SIZE), generator=g)
     q[..., 0], q[..., 1] = 0, 15
-    d = torch.rand(n, k // GROUP_SIZE, 1, generator=g) * 0.02 + 1e-3
-    m = torch.randn(n, k // GROUP_SIZE, 1, generator=g) * 0.05
+    d = (torch.rand(n, k // GROUP_SIZE, 1, generator=g) * 0.02 + 1e-3).half().float()
+    m = (torch.randn(n, k // GROUP_SIZE, 1, generator=g) * 0.05).half().float()
     return (q * d + m).view(n, k)
 
 
@@ -58,6 +59,50 @@ def test_int4_linear_decode_rows_use_int8_activations(rows):
     ref = x.double() @ w.double().T
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert 1e-5 < err < 2e-2, err  # not the exact path, and no more than int8 rounding of x (measured ~5e-3)
+
+
+def test_scale_panels_are_fp16_exactly_when_every_scale_and_min_is_one():
+    """Scales and mins take fp16 panels (half the bytes) only where that changes no value: pagedcore's own
+    int4 and GGUF's fp16 d / m; an asymmetric checkpoint's min = -zero * scale stays fp32."""
+    from pagedcore import quantization
+
+    if quantization.cpu_ext.load() is None:
+        pytest.skip("torch's int4 kernel keeps its own scale layout")
+    lin = nn.Linear(128, 48, bias=False)
+    assert Int4Linear(lin, torch.float32).scales_and_zeros.dtype == torch.float16
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(0, 16, (48, 64), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(48, 2, generator=g) * 0.02 + 1e-3).half().float()
+    zero = torch.randint(0, 16, (48, 2), generator=g).float()
+    lo = -zero * scale  # GPTQ's: 4 bits more mantissa than an fp16 holds
+    assert not quantization.exactly_fp16(lo)
+    assert Int4Linear.from_codes(q, scale, lo, None, torch.float32, 32).scales_and_zeros.dtype == torch.float32
+    assert Int4Linear.from_codes(q, scale, -8 * scale, None, torch.float32, 32).scales_and_zeros.dtype == torch.float16
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("int8_rows", [0, 8])
+def test_fp16_and_fp32_scale_panels_give_identical_outputs(rows, int8_rows):
+    """The kernel widens fp16 scales to fp32 before use: the same values give the same bits either way."""
+    from pagedcore.kernels import cpu_ext
+
+    ext = cpu_ext.load()
+    if ext is None:
+        pytest.skip("no C++ ops")
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randint(0, 16, (40, 96), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(40, 3, generator=g) * 0.02 + 1e-3).half()
+    lo = (torch.randn(40, 3, generator=g) * 0.05).half()
+    x = torch.randn(rows, 96, generator=g)
+    outs = []
+    for s, m in ((scale.float(), lo.float()), (scale, lo)):
+        packed, sm = ext.pack_int4_weight(q, s, m, 32)
+        assert sm.dtype == s.dtype
+        outs.append(ext.packed_linear_int4(x, packed, sm, 40, 32, None, int8_rows))
+    assert torch.equal(outs[0], outs[1])
+    w = (q.double().view(40, 3, 32) * scale.double()[..., None] + lo.double()[..., None]).view(40, 96)
+    ref = x.double() @ w.T
+    assert ((outs[1].double() - ref).norm() / ref.norm()) < (2e-2 if int8_rows >= rows else 1e-6)
 
 
 def test_checkpoint_codes_keep_fp32_activations_at_decode_rows():

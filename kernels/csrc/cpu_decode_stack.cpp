@@ -53,13 +53,16 @@ StackLinear make_linear(torch::Tensor packed, c10::optional<torch::Tensor> scale
   StackLinear l;
   TORCH_CHECK(packed.is_contiguous() && packed.dim() == 3, "packed weight: contiguous panels");
   l.keep.push_back(packed);
-  const float* sm = nullptr;
+  const void* sm = nullptr;
+  bool half_scales = false;
   int64_t K = packed.size(1);
   if (packed.scalar_type() == at::kByte) {
-    TORCH_CHECK(scale_min.has_value() && scale_min->is_contiguous() && scale_min->scalar_type() == at::kFloat,
-                "int4 weight: fp32 scale/min panels");
+    TORCH_CHECK(scale_min.has_value() && scale_min->is_contiguous() &&
+                    (scale_min->scalar_type() == at::kFloat || scale_min->scalar_type() == at::kHalf),
+                "int4 weight: fp32 or fp16 scale/min panels");
     l.keep.push_back(*scale_min);
-    sm = scale_min->data_ptr<float>();
+    sm = scale_min->data_ptr();
+    half_scales = scale_min->scalar_type() == at::kHalf;
     K = scale_min->size(1) * group_size;
   } else {
     TORCH_CHECK(packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16, "packed weight dtype");
@@ -72,7 +75,7 @@ StackLinear make_linear(torch::Tensor packed, c10::optional<torch::Tensor> scale
     pb = b.data_ptr<float>();
   }
   TORCH_CHECK(packed.size(0) * 16 >= out_features, "out_features larger than the packed weight");
-  l.w = {packed.scalar_type(), packed.data_ptr(), sm, pb, out_features, K, group_size, int8_rows};
+  l.w = {packed.scalar_type(), packed.data_ptr(), sm, pb, out_features, K, group_size, int8_rows, half_scales};
   return l;
 }
 

@@ -18,7 +18,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define PC_AVX2 1
 #endif
@@ -235,7 +235,8 @@ void dense_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, 
 // c * 4 + t = column c (low nibble) | column c + 8 (high nibble) at input 4 * quad + t. So each 32-bit
 // lane holds 4 consecutive inputs of one column: the operand of an integer dot product (maddubs +
 // madd) against 4 int8 activations, with no horizontal sums. Beside it, per group g, 16 scales then
-// 16 mins (fp32). Decode reads 4 bits per weight plus 2 of scale and min (groups of 32).
+// 16 mins: fp16 where the format's own are (GGUF's d and m; pagedcore's int4 rounds its scale and min
+// so), else fp32. Decode reads 4 bits per weight plus 1 (fp16) or 2 (fp32) of scale and min (groups of 32).
 //
 // Two ways to run it. Decode (M <= int8_rows, groups a multiple of 32): x is quantized once per call
 // to int8 per block of 32 inputs (symmetric, round to nearest, d = max|x| / 127, as llama.cpp's Q8
@@ -249,9 +250,13 @@ constexpr int64_t PF4 = 1024;  // bytes of a panel prefetched ahead by the decod
 inline int64_t round4(int64_t K) { return (K + 3) / 4 * 4; }
 
 #ifdef PC_AVX2
+// 8 scales or mins as fp32.
+inline __m256 load_sm(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_sm(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
 // Each k of the panel dequantized (columns 0-7, 8-15) and handed to f(k, t = k % 4, w0, w1).
-template <typename F>
-inline void for_each_dequantized(const uint8_t* q, const float* sm, int64_t K, int64_t G, F&& f) {
+template <typename S, typename F>
+inline void for_each_dequantized(const uint8_t* q, const S* sm, int64_t K, int64_t G, F&& f) {
   const __m256i nib = _mm256_set1_epi32(0x0F);
   __m256 s0 = _mm256_setzero_ps(), s1 = s0, m0 = s0, m1 = s0;
   int64_t next = 0;  // first input of the next group
@@ -263,9 +268,9 @@ inline void for_each_dequantized(const uint8_t* q, const float* sm, int64_t K, i
       const int64_t k = k0 + t;
       if (k == K) return;
       if (k == next) {  // groups of any even size: one may start inside a quad
-        const float* gsm = sm + (k / G) * 2 * NR;
-        s0 = _mm256_loadu_ps(gsm), s1 = _mm256_loadu_ps(gsm + 8);
-        m0 = _mm256_loadu_ps(gsm + NR), m1 = _mm256_loadu_ps(gsm + NR + 8);
+        const S* gsm = sm + (k / G) * 2 * NR;
+        s0 = load_sm(gsm), s1 = load_sm(gsm + 8);
+        m0 = load_sm(gsm + NR), m1 = load_sm(gsm + NR + 8);
         next += G;
       }
       const __m256i b = _mm256_srli_epi32(v, 8 * t);
@@ -277,7 +282,8 @@ inline void for_each_dequantized(const uint8_t* q, const float* sm, int64_t K, i
 }
 
 // One row, fp32 activations: dequantize in registers, two interleaved accumulator sets (FMA latency).
-__attribute__((noinline)) void micro_kernel_int4(const float* a, const uint8_t* q, const float* sm, int64_t K,
+template <typename S>
+__attribute__((noinline)) void micro_kernel_int4(const float* a, const uint8_t* q, const S* sm, int64_t K,
                                                  int64_t G, float* c) {
   __m256 acc[2][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
   for_each_dequantized(q, sm, K, G, [&](int64_t k, int t, __m256 w0, __m256 w1) {
@@ -290,7 +296,8 @@ __attribute__((noinline)) void micro_kernel_int4(const float* a, const uint8_t* 
 }
 
 // The panel as fp32 [K, 16], for many rows (then the fp32 micro-kernel runs at the FMA rate).
-void widen_int4(const uint8_t* q, const float* sm, int64_t K, int64_t G, float* buf) {
+template <typename S>
+void widen_int4(const uint8_t* q, const S* sm, int64_t K, int64_t G, float* buf) {
   for_each_dequantized(q, sm, K, G, [&](int64_t k, int, __m256 w0, __m256 w1) {
     _mm256_storeu_ps(buf + k * NR, w0);
     _mm256_storeu_ps(buf + k * NR + 8, w1);
@@ -301,16 +308,16 @@ void widen_int4(const uint8_t* q, const float* sm, int64_t K, int64_t G, float* 
 // stride K / G) against one panel; G a multiple of 32. Per quad and row: one maddubs per 8 columns
 // (u4 x s8, pairs summed to int16: |.| <= 2 * 15 * 127), added in int16 over the block's 8 quads
 // (<= 30480, no overflow), widened once per block by madd with ones.
-template <int R>
+template <int R, typename S>
 __attribute__((noinline)) void micro_kernel_int4_int8(const int8_t* xq, const float* d, const float* xs, int64_t K,
-                                                      int64_t G, const uint8_t* q, const float* sm, float* c) {
+                                                      int64_t G, const uint8_t* q, const S* sm, float* c) {
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int64_t blocks = K / QB, groups = K / G, per_group = G / QB;
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const float* gsm = sm + g * 2 * NR;
-    const __m256 s0 = _mm256_loadu_ps(gsm), s1 = _mm256_loadu_ps(gsm + 8);
+    const S* gsm = sm + g * 2 * NR;
+    const __m256 s0 = load_sm(gsm), s1 = load_sm(gsm + 8);
     for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
       const uint8_t* qb = q + b * QB * 8;  // 256 bytes: 8 quads
       for (int l = 0; l < 256; l += 64) _mm_prefetch(reinterpret_cast<const char*>(qb + PF4 + l), _MM_HINT_T0);
@@ -334,7 +341,7 @@ __attribute__((noinline)) void micro_kernel_int4_int8(const int8_t* xq, const fl
         acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r][1], ones)), _mm256_mul_ps(s1, dv), acc[r][1]);
       }
     }
-    const __m256 m0 = _mm256_loadu_ps(gsm + NR), m1 = _mm256_loadu_ps(gsm + NR + 8);
+    const __m256 m0 = load_sm(gsm + NR), m1 = load_sm(gsm + NR + 8);
     for (int r = 0; r < R; ++r) {
       const __m256 xsv = _mm256_broadcast_ss(xs + r * groups + g);
       acc[r][0] = _mm256_fmadd_ps(xsv, m0, acc[r][0]);
@@ -352,28 +359,29 @@ inline int code(const uint8_t* q, int64_t k, int64_t j) {  // column j's code at
   return j < 8 ? (b & 0x0F) : (b >> 4);
 }
 
-void widen_int4(const uint8_t* q, const float* sm, int64_t K, int64_t G, float* buf) {
+template <typename S>
+void widen_int4(const uint8_t* q, const S* sm, int64_t K, int64_t G, float* buf) {
   for (int64_t k = 0; k < K; ++k) {
-    const float* gsm = sm + (k / G) * 2 * NR;
-    for (int64_t j = 0; j < NR; ++j) buf[k * NR + j] = float(code(q, k, j)) * gsm[j] + gsm[NR + j];
+    const S* gsm = sm + (k / G) * 2 * NR;
+    for (int64_t j = 0; j < NR; ++j) buf[k * NR + j] = float(code(q, k, j)) * float(gsm[j]) + float(gsm[NR + j]);
   }
 }
 
-template <int R>
+template <int R, typename S>
 void micro_kernel_int4_int8(const int8_t* xq, const float* d, const float* xs, int64_t K, int64_t G,
-                            const uint8_t* q, const float* sm, float* c) {
+                            const uint8_t* q, const S* sm, float* c) {
   const int64_t blocks = K / QB, groups = K / G, per_group = G / QB;
   for (int r = 0; r < R; ++r)
     for (int64_t j = 0; j < NR; ++j) {
       float acc = 0;
       for (int64_t g = 0; g < groups; ++g) {
-        const float* gsm = sm + g * 2 * NR;
+        const S* gsm = sm + g * 2 * NR;
         for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
           int32_t dot = 0;
           for (int64_t k = b * QB; k < (b + 1) * QB; ++k) dot += code(q, k, j) * xq[r * K + k];
-          acc += float(dot) * (gsm[j] * d[r * blocks + b]);
+          acc += float(dot) * (float(gsm[j]) * d[r * blocks + b]);
         }
-        acc += xs[r * groups + g] * gsm[NR + j];
+        acc += xs[r * groups + g] * float(gsm[NR + j]);
       }
       c[r * NR + j] = acc;
     }
@@ -423,14 +431,14 @@ void quantize_rows(const X* x, int64_t M, int64_t K, int64_t G, int8_t* xq, floa
 }
 
 // Panels [p0, p1) of an int4 weight against int8-quantized rows, two rows at a time.
-template <typename X>
+template <typename X, typename S>
 void int4_int8_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1) {
   const int64_t M = in.M, N = w.N, K = w.K, G = w.group_size, groups = K / G, Kp = round4(K);
   const uint8_t* q = static_cast<const uint8_t*>(w.w);
   float c[2 * NR];
   for (int64_t p = p0; p < p1; ++p) {
     const uint8_t* qp = q + p * Kp * 8;
-    const float* smp = w.scale_min + p * groups * 2 * NR;
+    const S* smp = static_cast<const S*>(w.scale_min) + p * groups * 2 * NR;
     const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
     for (int64_t i = 0; i < M; i += 2) {
       const int64_t rows = std::min<int64_t>(2, M - i);
@@ -446,7 +454,7 @@ void int4_int8_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t 
 }
 
 // Panels [p0, p1) of an int4 weight against fp32 rows: dequantized in registers (one row) or widened.
-template <typename X>
+template <typename X, typename S>
 void int4_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1, std::vector<float>& wbuf) {
   const int64_t M = in.M, N = w.N, K = w.K, G = w.group_size, groups = K / G, Kp = round4(K);
   const uint8_t* q = static_cast<const uint8_t*>(w.w);
@@ -461,7 +469,7 @@ void int4_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, i
     const int64_t m1 = std::min(M, m0 + MC);
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* qp = q + p * Kp * 8;
-      const float* smp = w.scale_min + p * groups * 2 * NR;
+      const S* smp = static_cast<const S*>(w.scale_min) + p * groups * 2 * NR;
       if (widen) widen_int4(qp, smp, K, G, wbuf.data());
       const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
       for (int64_t i = m0; i < m1; i += MR) {
@@ -493,8 +501,12 @@ void panels_of(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int
     case at::kFloat: return dense_panels<X, float>(w, in, y, p0, p1, wbuf);
     case at::kBFloat16: return dense_panels<X, c10::BFloat16>(w, in, y, p0, p1, wbuf);
     case at::kByte:
-      if (in.int8) return int4_int8_panels<X>(w, in, y, p0, p1);
-      return int4_panels<X>(w, in, y, p0, p1, wbuf);
+      if (w.half_scales) {
+        if (in.int8) return int4_int8_panels<X, c10::Half>(w, in, y, p0, p1);
+        return int4_panels<X, c10::Half>(w, in, y, p0, p1, wbuf);
+      }
+      if (in.int8) return int4_int8_panels<X, float>(w, in, y, p0, p1);
+      return int4_panels<X, float>(w, in, y, p0, p1, wbuf);
     default: TORCH_CHECK(false, "packed weight type");
   }
 }
@@ -545,18 +557,43 @@ void gemm_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_ty
   panels_of(w, in, static_cast<c10::BFloat16*>(y), p0, p1, wbuf);
 }
 
+namespace {
+// out[p][k][j] = w[p * 16 + slot^-1(j)][k]: 16 source rows read in step, one panel (<= K * 64 bytes) written
+// at a time; padding columns zero. Panels split between threads (an engine start packs ~100-500 MB).
+template <typename T>
+void pack_panels(const T* w, T* out, int64_t N, int64_t K) {
+  const int64_t panels = (N + NR - 1) / NR;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      T* dst = out + p * K * NR;
+      for (int64_t c = 0; c < NR; ++c) {
+        T* d = dst + slot<T>(c);
+        const int64_t n = p * NR + c;
+        if (n >= N) {
+          for (int64_t k = 0; k < K; ++k) d[k * NR] = T(0);
+          continue;
+        }
+        const T* src = w + n * K;
+        for (int64_t k = 0; k < K; ++k) d[k * NR] = src[k];
+      }
+    }
+  });
+}
+}  // namespace
+
 torch::Tensor pack_linear_weight(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2, "weight: [N, K]");
   TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
               "packed linear weights: float32 or bfloat16");
   const int64_t N = weight.size(0), K = weight.size(1), panels = (N + NR - 1) / NR;
-  auto padded = torch::zeros({panels * NR, K}, weight.options());
-  padded.narrow(0, 0, N).copy_(weight);
-  // [panels, 16, K] -> [panels, K, 16]: a panel's 16 weights of one k are contiguous.
-  auto packed = padded.view({panels, NR, K}).transpose(1, 2);
-  if (weight.scalar_type() == at::kBFloat16)
-    packed = packed.index_select(2, torch::tensor(std::vector<int64_t>(BF16_ORDER, BF16_ORDER + NR)));
-  return packed.contiguous();
+  auto w = weight.contiguous();
+  // [panels, K, 16]: a panel's 16 weights of one k are contiguous (bf16 in BF16_ORDER).
+  auto packed = torch::empty({panels, K, NR}, weight.options());
+  if (weight.scalar_type() == at::kFloat)
+    pack_panels(w.data_ptr<float>(), packed.data_ptr<float>(), N, K);
+  else
+    pack_panels(w.data_ptr<c10::BFloat16>(), packed.data_ptr<c10::BFloat16>(), N, K);
+  return packed;
 }
 
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias) {
@@ -582,7 +619,8 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_f
 }
 
 // q: uint8 [N, K] values 0..15; scale, min: fp32 [N, K / G]. Returns (q panels uint8 [panels, K
-// rounded up to 4, 8] in quads (see the int4 section), scale/min fp32 [panels, K / G, 2, 16]); padding
+// rounded up to 4, 8] in quads (see the int4 section), scale/min [panels, K / G, 2, 16] in scale's dtype,
+// fp32 or fp16); padding
 // columns and inputs are zero.
 std::tuple<torch::Tensor, torch::Tensor> pack_int4_weight(torch::Tensor q, torch::Tensor scale, torch::Tensor min,
                                                          int64_t group_size) {
@@ -594,7 +632,10 @@ std::tuple<torch::Tensor, torch::Tensor> pack_int4_weight(torch::Tensor q, torch
   qp.narrow(0, 0, N).narrow(1, 0, K).copy_(q.bitwise_and(0x0F));
   qp = qp.view({panels, NR, Kp / 4, 4}).permute({0, 2, 1, 3});  // [panels, quads, 16 columns, 4 inputs]
   auto packed = qp.narrow(2, 0, 8).bitwise_or(qp.narrow(2, 8, 8).bitwise_left_shift(4)).contiguous().view({panels, Kp, 8});
-  auto sm = torch::zeros({panels * NR, K / G, 2}, scale.options().dtype(at::kFloat));
+  TORCH_CHECK(scale.scalar_type() == min.scalar_type() &&
+                  (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf),
+              "scale/min: both fp32 or both fp16 (the panels keep their dtype)");
+  auto sm = torch::zeros({panels * NR, K / G, 2}, scale.options());
   sm.narrow(0, 0, N).select(2, 0).copy_(scale);
   sm.narrow(0, 0, N).select(2, 1).copy_(min);
   sm = sm.view({panels, NR, K / G, 2}).permute({0, 2, 3, 1}).contiguous();  // [panels, K/G, 2, 16]
@@ -605,7 +646,8 @@ torch::Tensor packed_linear_int4(torch::Tensor x, torch::Tensor q, torch::Tensor
                                  int64_t group_size, c10::optional<torch::Tensor> bias, int64_t int8_rows) {
   TORCH_CHECK(q.dim() == 3 && q.size(2) == 8 && q.is_contiguous() && q.scalar_type() == at::kByte, "q: [panels, K, 8]");
   TORCH_CHECK(sm.dim() == 4 && sm.size(0) == q.size(0) && sm.size(2) == 2 && sm.size(3) == NR && sm.is_contiguous() &&
-              sm.scalar_type() == at::kFloat, "scale/min: [panels, K / G, 2, 16] fp32");
+                  (sm.scalar_type() == at::kFloat || sm.scalar_type() == at::kHalf),
+              "scale/min: [panels, K / G, 2, 16] fp32 or fp16");
   const int64_t G = group_size, K = sm.size(1) * G, N = out_features;
   TORCH_CHECK(G > 0 && q.size(1) == round4(K), "group_size does not match the packed weight");
   TORCH_CHECK(x.size(-1) == K, "x's last dimension must be the weight's in_features");
@@ -623,6 +665,6 @@ torch::Tensor packed_linear_int4(torch::Tensor x, torch::Tensor q, torch::Tensor
   }
   const float* pb = b.defined() ? b.data_ptr<float>() : nullptr;
   if (M > 0)
-    run_linear({at::kByte, q.data_ptr(), sm.data_ptr<float>(), pb, N, K, G, int8_rows}, x2, y);
+    run_linear({at::kByte, q.data_ptr(), sm.data_ptr(), pb, N, K, G, int8_rows, sm.scalar_type() == at::kHalf}, x2, y);
   return y.view(out_sizes);
 }

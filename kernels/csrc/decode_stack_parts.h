@@ -42,11 +42,12 @@ struct DecodeAttention {
 
 // ---- linears over packed weights (cpu_gemm.cpp) -----------------------------------------------
 struct PackedWeight {
-  at::ScalarType type;  // kFloat / kBFloat16 panels, or kByte: int4 panels with fp32 scale/min panels
+  at::ScalarType type;  // kFloat / kBFloat16 panels, or kByte: int4 panels with scale/min panels
   const void* w;
-  const float* scale_min;  // int4 only
-  const float* bias;       // fp32 [N] or nullptr
+  const void* scale_min;  // int4 only: fp32, or fp16 where the format's scales are (GGUF's d and m)
+  const float* bias;      // fp32 [N] or nullptr
   int64_t N, K, group_size, int8_rows;
+  bool half_scales = false;  // scale_min holds fp16
   int64_t panels() const { return (N + 15) / 16; }
 };
 

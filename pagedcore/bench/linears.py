@@ -82,9 +82,11 @@ def bench_shape(name, n, k, ms, dtype, impls, bw_gbs, peak_tflops, seconds, repe
         runners["F.linear"] = (lambda x, j: F.linear(x, weights[j % copies]), n * k * elem)
     int4_impls = {"int4", "int4-fp32"} & set(impls)
     if int4_impls and k % 32 == 0 and n % 16 == 0:
-        int4_bytes = n * k // 2 + n * k // 32 * 2 * 4  # nibbles + fp32 scale and min per group of 32
+        int4_bytes = n * k // 2 + n * k // 32 * 2 * 2  # nibbles + fp16 scale and min per group of 32
         q = [Int4Linear(torch.nn.Linear(k, n, bias=False).requires_grad_(False), dtype)
              for _ in range(max(2, math.ceil(64 * 2**20 / int4_bytes)))]
+        if q[0].ext is not None:
+            int4_bytes = q[0].packed.nbytes + q[0].scales_and_zeros.nbytes  # as packed (padding included)
         if "int4" in impls:
             runners["int4"] = (lambda x, j: q[j % len(q)](x), int4_bytes)
         if "int4-fp32" in impls and q[0].ext is not None:
