@@ -40,7 +40,7 @@ def single_stream_quantized(settings: dict, quantization: str, prompt: list[int]
     from pagedcore import LLMEngine
 
     row = single_stream(LLMEngine(**dict(settings, quantization=quantization)), prompt, max_tokens)
-    label = "int4 weights" if quantization == "int4" else "GGUF Q4 blocks as shipped"
+    label = "int4 weights" if quantization == "int4" else f"GGUF Q4 blocks as shipped, {settings['dtype']} head"
     return dict(row, engine=f"pagedcore ({label})", peer=f"pagedcore-{quantization}")
 
 
