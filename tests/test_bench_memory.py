@@ -145,6 +145,8 @@ def test_weights_counts_resident_bytes_per_format(tiny_model_dir, tmp_path):
     assert int4["linear"] == int4["linear_quantized"]
     assert int4["linear"] == 0.625 * linear_weights  # every width a multiple of 16 and of 32: no padding
     assert int4["total_vs_first"] == round(int4["total"] / dense["total"], 3) < 1
+    for row in (dense, int4):  # one stream timed per format
+        assert row["tpot_ms"] > 0 and row["tok_s"] == pytest.approx(1e3 / row["tpot_ms"], rel=0.02)
 
 
 def test_kv_capacity_per_kv_cache_dtype(report):

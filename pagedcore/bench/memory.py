@@ -245,28 +245,38 @@ def run_weights(args) -> dict:
 
     from pagedcore import LLMEngine
 
-    rows = []
+    from pagedcore.bench.latency import single_stream
+
+    rows, tpots = [], []
     for source in args.weights:
         model, _, quantization = source.partition("@")
-        engine = LLMEngine(model=model, dtype=args.dtype,
-                           quantization=quantization or None, num_kv_blocks=16, num_threads=args.num_threads)
+        engine = LLMEngine(model=model, dtype=args.dtype, quantization=quantization or None,
+                           num_kv_blocks=64, num_threads=args.num_threads)
         rows.append(weight_bytes(source, engine.model))
+        tpots.append(None)
+        if args.stream_tokens:  # one stream, the format's decode speed (best of 2 after a warm-up)
+            prompt = [100 + i % 1000 for i in range(64)]
+            single_stream(engine, prompt, 4)
+            tpots[-1] = min(single_stream(engine, prompt, args.stream_tokens)["tpot_s"] for _ in range(2))
         del engine
         gc.collect()
     base = rows[0]
     return {"bench": "memory-weights", "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "dtype": args.dtype,
             "weights": [dict(asdict(r), total=r.total, total_vs_first=round(r.total / base.total, 3),
-                             linear_vs_first=round(r.linear / base.linear, 3)) for r in rows]}
+                             linear_vs_first=round(r.linear / base.linear, 3),
+                             tpot_ms=None if t is None else round(t * 1e3, 2),
+                             tok_s=None if t is None else round(1 / t, 1)) for r, t in zip(rows, tpots)]}
 
 
 def print_weights(report: dict) -> None:
-    print(f"\nresident weight bytes ({report['dtype']} activations); ratios to the first row")
+    print(f"\nresident weight bytes ({report['dtype']} activations); ratios to the first row; one stream's decode")
     print(f"{'source':48s} {'total MiB':>10s} {'linears MiB':>12s} {'other MiB':>10s} {'quantized':>9s} "
-          f"{'total x':>8s} {'linears x':>9s}")
+          f"{'total x':>8s} {'linears x':>9s} {'TPOT ms':>8s} {'tok/s':>7s}")
     for r in report["weights"]:
+        speed = f"{r['tpot_ms']:8.2f} {r['tok_s']:7.1f}" if r.get("tpot_ms") is not None else f"{'-':>8s} {'-':>7s}"
         print(f"{r['source'][-48:]:48s} {r['total'] / MIB:10.1f} {r['linear'] / MIB:12.1f} {r['other'] / MIB:10.1f} "
-              f"{r['num_quantized']:9d} {r['total_vs_first']:8.3f} {r['linear_vs_first']:9.3f}")
+              f"{r['num_quantized']:9d} {r['total_vs_first']:8.3f} {r['linear_vs_first']:9.3f} {speed}")
 
 
 # The greedy-agreement prompt set of the KV capacity table (chat template applied).
@@ -462,6 +472,8 @@ def add_parser(bsub) -> None:
     m.add_argument("--weights", action="append", default=[], metavar="MODEL[@QUANTIZATION]",
                    help="instead of the KV measurements: resident weight bytes of an engine on MODEL ('bundled', an "
                         "HF dir, a GGUF), with quantization int4 or gguf after '@'; repeat to compare formats")
+    m.add_argument("--stream-tokens", type=int, default=64,
+                   help="with --weights: tokens of one greedy stream timed per source (TPOT, tok/s); 0 skips it")
     m.add_argument("--kv-cache-dtypes", default="auto,int8,fp8_e4m3",
                    help="KV capacity per kv_cache_dtype, the first the reference ('' skips the table)")
     m.add_argument("--capacity-seq-len", type=int, default=1024, help="sequence length of the capacity table")
