@@ -53,7 +53,7 @@ def int4_linear(name: str, parts: dict[str, torch.Tensor], dtype: torch.dtype, g
     q = unpack_awq(qweight).t()  # [N, K]
     zero = unpack_awq(qzeros).t().float()  # [N, K/g]
     scale = scales.t().float()
-    return Int4Linear.from_codes(q, scale, -zero * scale, parts.get("bias"), dtype, group_size)
+    return Int4Linear.from_zero_points(q, scale, zero, parts.get("bias"), dtype, group_size)
 
 
 def load(model_dir: Path, dtype: torch.dtype) -> nn.Module:

@@ -64,7 +64,7 @@ def int4_linear(tensors: dict[str, torch.Tensor], bias: torch.Tensor | None, dty
         zp = torch.zeros_like(scale)
     else:  # zero points are packed along the output dimension
         zp = unpack_int4(zp.t().contiguous(), n).t().float() - 8
-    return Int4Linear.from_codes(u, scale, -(8 + zp) * scale, bias, dtype, group_size)
+    return Int4Linear.from_zero_points(u, scale, 8 + zp, bias, dtype, group_size)
 
 
 def int8_linear(tensors: dict[str, torch.Tensor], bias: torch.Tensor | None, dtype: torch.dtype,

@@ -138,13 +138,13 @@ class DecodeStack:
 
 
 def _linear_spec(module: nn.Module) -> tuple:
-    """(packed, scale_min, bias, out_features, group_size, int8_rows) of a packed or int4 linear."""
+    """(packed, scale_min, bias, out_features, group_size, int8_rows, zero_point) of a packed or int4 linear."""
     bias = None if module.bias is None else module.bias.detach()
     if type(module) is nn.Linear and getattr(module, "_pagedcore_packed", None) is not None:
-        return module._pagedcore_packed, None, bias, module.out_features, 0, 0
+        return module._pagedcore_packed, None, bias, module.out_features, 0, 0, False
     if type(module) is Int4Linear and module.ext is not None and module.input_perm is None:
         return (module.packed, module.scales_and_zeros, bias, module.out_features, module.group_size,
-                -1 if module.int8_activations else 0)
+                -1 if module.int8_activations else 0, module.zero_point)
     raise ValueError(f"{type(module).__name__} is neither a packed nor an int4 linear")
 
 

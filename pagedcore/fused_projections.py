@@ -38,7 +38,7 @@ class FusedProjection:
     widths: tuple[int, ...]
     run: callable  # x [..., K] -> y [..., sum(widths)]
     # The fused weight as the decode stack takes it (decode_stack.py): (packed, scale_min, bias, out_features,
-    # group_size, int8_rows), int8_rows -1 for int4 weights that quantize activations at decode
+    # group_size, int8_rows, zero_point), int8_rows -1 for int4 weights that quantize activations at decode
     spec: tuple = ()
     forwards: tuple = ()  # each member's instance forward when fused (None: its class's)
 
@@ -104,14 +104,15 @@ def _fuse_packed(ext, members: list[nn.Linear], widths: tuple[int, ...]) -> Fuse
     _share_panels(packed, members, widths, lambda m, view: setattr(m, "_pagedcore_packed", view))
     total = sum(widths)
     return FusedProjection(tuple(members), widths, lambda x: ext.packed_linear(x, packed, total, bias),
-                           (packed, None, bias, total, 0, 0))
+                           (packed, None, bias, total, 0, 0, False))
 
 
 def _fuse_int4(ext, members: list[Int4Linear], widths: tuple[int, ...]) -> FusedProjection | None:
     first = members[0]
     same = all(m.ext is not None and m.input_perm is None and m.group_size == first.group_size
                and m.int8_activations == first.int8_activations
-               and m.scales_and_zeros.dtype == first.scales_and_zeros.dtype for m in members)
+               and m.scales_and_zeros.dtype == first.scales_and_zeros.dtype and m.zero_point == first.zero_point
+               for m in members)
     if not same:
         return None
     packed = torch.cat([m.packed for m in members])
@@ -126,10 +127,11 @@ def _fuse_int4(ext, members: list[Int4Linear], widths: tuple[int, ...]) -> Fused
 
     def run(x):
         rows = quantization.INT8_ACTIVATION_ROWS if first.int8_activations else 0
-        return ext.packed_linear_int4(x, packed, scale_min, total, group, bias, rows)
+        return ext.packed_linear_int4(x, packed, scale_min, total, group, bias, rows, first.zero_point)
 
     return FusedProjection(tuple(members), widths, run,
-                           (packed, scale_min, bias, total, group, -1 if first.int8_activations else 0))
+                           (packed, scale_min, bias, total, group, -1 if first.int8_activations else 0,
+                            first.zero_point))
 
 
 def _share_panels(fused, members, widths, assign) -> None:

@@ -65,7 +65,7 @@ def int4_linear(name: str, parts: dict[str, torch.Tensor], dtype: torch.dtype, v
         if not torch.equal(g_idx.long()[perm], torch.arange(k) // g):
             raise ValueError(f"{name}: g_idx does not put {g} inputs in each of {k // g} groups; supported: {SUPPORTED}")
         q = q[:, perm]
-    return Int4Linear.from_codes(q, scale, -zero.float() * scale, parts.get("bias"), dtype, g, input_perm=perm)
+    return Int4Linear.from_zero_points(q, scale, zero, parts.get("bias"), dtype, g, input_perm=perm)
 
 
 def load(model_dir: Path, dtype: torch.dtype) -> nn.Module:

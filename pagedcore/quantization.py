@@ -83,25 +83,41 @@ class Int4Linear(nn.Module):
         and lo [N, K / group_size] (fp32). `input_perm`: the layer computes x[..., input_perm] @ w.T
         (GPTQ's act-order checkpoints, whose groups are contiguous only once the inputs are permuted).
         Activations stay unquantized (W4A16 formats define their output so) unless `int8_activations`."""
+        return cls._from(q, scale.float(), lo.float(), None, bias, dtype, group_size, input_perm, int8_activations)
+
+    @classmethod
+    def from_zero_points(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None,
+                         dtype: torch.dtype, group_size: int, input_perm: torch.Tensor | None = None) -> "Int4Linear":
+        """The same for w = (q - zero) * scale (GPTQ, AWQ, compressed-tensors): kept as fp16 scale and zero
+        point where both are fp16 (then 16 bits a pair, min = -zero * scale formed exactly in the kernel)."""
+        scale, zero = scale.float(), zero.float()
+        return cls._from(q, scale, -zero * scale, zero, bias, dtype, group_size, input_perm, False)
+
+    @classmethod
+    def _from(cls, q, scale, lo, zero, bias, dtype, group_size, input_perm, int8_activations) -> "Int4Linear":
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self._pack(q.to(torch.int32), scale.float(), lo.float(), bias, dtype, group_size, q.device)
+        self._pack(q.to(torch.int32), scale, lo, bias, dtype, group_size, q.device, zero)
         self.int8_activations = int8_activations
         if input_perm is not None:
             self.input_perm = input_perm.long()
         return self
 
-    def _pack(self, q, scale, lo, bias, dtype, group_size, device) -> None:
+    def _pack(self, q, scale, lo, bias, dtype, group_size, device, zero=None) -> None:
         n, k = q.shape
         self.in_features, self.out_features, self.group_size = k, n, group_size
         self.register_buffer("input_perm", None)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
         self.ext = cpu_ext.load() if device.type == "cpu" else None
+        self.zero_point = False
         if self.ext is not None:
-            # pagedcore's kernel: w = q * scale + min, scale and min kept exactly: fp16 panels where every
-            # value is an fp16 (GGUF's, pagedcore's own, symmetric GPTQ's), else fp32 (-zero * scale).
+            # pagedcore's kernel: w = q * scale + min with scale and min kept exactly: fp16 panels where every
+            # value is an fp16 (GGUF's, pagedcore's own, symmetric GPTQ's); fp16 scale and zero point where
+            # those are (asymmetric GPTQ / AWQ / compressed-tensors: -zero * scale rarely is); else fp32.
             if exactly_fp16(scale) and exactly_fp16(lo):
                 scale, lo = scale.half(), lo.half()
+            elif zero is not None and exactly_fp16(scale) and exactly_fp16(zero):
+                scale, lo, self.zero_point = scale.half(), zero.half(), True
             packed, scale_min = self.ext.pack_int4_weight(q.to(torch.uint8), scale, lo, group_size)
             self.register_buffer("packed", packed)
             self.register_buffer("scales_and_zeros", scale_min)
@@ -117,7 +133,7 @@ class Int4Linear(nn.Module):
         if self.ext is not None:
             return self.ext.packed_linear_int4(x, self.packed, self.scales_and_zeros, self.out_features,
                                                self.group_size, self.bias,
-                                               INT8_ACTIVATION_ROWS if self.int8_activations else 0)
+                                               INT8_ACTIVATION_ROWS if self.int8_activations else 0, self.zero_point)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.packed,
                                                          self.group_size, self.scales_and_zeros)
         if self.bias is not None:

@@ -128,7 +128,7 @@ def test_stack_off_where_it_cannot_run(tiny_model_dir):
 def test_stack_rejects_what_it_cannot_run(ext):
     """Layouts it does not take raise a clear error before any thread starts (never a crash inside)."""
     stack = ext.DecodeStack(hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=32)
-    w = lambda n, k: (ext.pack_linear_weight(torch.randn(n, k)), None, None, n, 0, 0)  # noqa: E731
+    w = lambda n, k: (ext.pack_linear_weight(torch.randn(n, k)), None, None, n, 0, 0, False)  # noqa: E731
     cache = torch.zeros(4, 16, 1, 16)
     norm = torch.ones(32)
     with pytest.raises(RuntimeError, match="linear shapes"):

@@ -78,6 +78,39 @@ def test_scale_panels_are_fp16_exactly_when_every_scale_and_min_is_one():
     assert not quantization.exactly_fp16(lo)
     assert Int4Linear.from_codes(q, scale, lo, None, torch.float32, 32).scales_and_zeros.dtype == torch.float32
     assert Int4Linear.from_codes(q, scale, -8 * scale, None, torch.float32, 32).scales_and_zeros.dtype == torch.float16
+    # the same grid as scale and zero point: 16 bits a pair, min = -zero * scale formed in the kernel
+    zp = Int4Linear.from_zero_points(q, scale, zero, None, torch.float32, 32)
+    assert zp.zero_point and zp.scales_and_zeros.dtype == torch.float16
+    scale32 = Int4Linear.from_zero_points(q, scale + 1e-7, zero, None, torch.float32, 32)  # not fp16 scales
+    assert not scale32.zero_point and scale32.scales_and_zeros.dtype == torch.float32
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("int8_rows", [0, 8])
+def test_zero_point_panels_equal_fp32_min_panels(rows, int8_rows):
+    """(q - z) * s from fp16 scale and zero point: -z * s is exact in fp32, so the outputs are the bits of
+    the fp32 (scale, min) panels, and match the dequantized weight."""
+    from pagedcore.kernels import cpu_ext
+
+    ext = cpu_ext.load()
+    if ext is None:
+        pytest.skip("no C++ ops")
+    g = torch.Generator().manual_seed(10 + rows)
+    q = torch.randint(0, 16, (48, 128), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(48, 2, generator=g) * 0.02 + 1e-3).half()
+    zero = torch.randint(0, 16, (48, 2), generator=g).half()
+    x = torch.randn(rows, 128, generator=g)
+    lo = -zero.float() * scale.float()
+    packed, sm32 = ext.pack_int4_weight(q, scale.float(), lo, 64)
+    _, sm16 = ext.pack_int4_weight(q, scale, zero, 64)
+    want = ext.packed_linear_int4(x, packed, sm32, 48, 64, None, int8_rows)
+    got = ext.packed_linear_int4(x, packed, sm16, 48, 64, None, int8_rows, zero_point=True)
+    assert torch.equal(got, want)
+    w = ((q.double().view(48, 2, 64) - zero.double()[..., None]) * scale.double()[..., None]).view(48, 128)
+    ref = x.double() @ w.T
+    assert ((got.double() - ref).norm() / ref.norm()) < (2e-2 if int8_rows >= rows else 1e-6)
+    with pytest.raises(RuntimeError, match="zero points: fp16"):
+        ext.packed_linear_int4(x, packed, sm32, 48, 64, None, int8_rows, zero_point=True)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 40])

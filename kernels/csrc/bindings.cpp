@@ -16,12 +16,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight", &pack_linear_weight, "W [N, K] -> panels [ceil(N/16), K, 16], same dtype");
   m.def("packed_linear", &packed_linear, "x @ W^T (+ bias) over a packed weight; fp32 accumulation",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none());
-  m.def("pack_int4_weight", &pack_int4_weight, "q uint8 [N, K], scale/min [N, K/G] -> int4 panels, scale/min panels");
+  m.def("pack_int4_weight", &pack_int4_weight,
+        "q uint8 [N, K], scale/min (or scale/zero point) [N, K/G] -> int4 panels, scale/min panels");
   m.def("packed_linear_int4", &packed_linear_int4,
-        "x @ W^T (+ bias), W = q * scale + min per group; fp32 accumulation; inputs of M <= int8_rows rows "
-        "quantized to int8 per 32 (integer dot products), others kept fp32",
+        "x @ W^T (+ bias), W = q * scale + min per group (zero_point: W = (q - z) * scale, fp16 panels); fp32 "
+        "accumulation; inputs of M <= int8_rows rows quantized to int8 per 32 (integer dot products), others fp32",
         py::arg("x"), py::arg("q"), py::arg("sm"), py::arg("out_features"), py::arg("group_size"),
-        py::arg("bias") = py::none(), py::arg("int8_rows") = 0);
+        py::arg("bias") = py::none(), py::arg("int8_rows") = 0, py::arg("zero_point") = false);
   bind_decode_stack(m);
   m.def("sample_inverse_cdf", &sample_inverse_cdf, "per row: first token whose running fp64 sum exceeds u * total");
 }

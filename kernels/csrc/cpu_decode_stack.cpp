@@ -49,7 +49,7 @@ inline std::pair<int64_t, int64_t> share(int64_t count, int64_t tid, int64_t nth
 }
 
 StackLinear make_linear(torch::Tensor packed, c10::optional<torch::Tensor> scale_min, c10::optional<torch::Tensor> bias,
-                        int64_t out_features, int64_t group_size, int64_t int8_rows) {
+                        int64_t out_features, int64_t group_size, int64_t int8_rows, bool zero_point) {
   StackLinear l;
   TORCH_CHECK(packed.is_contiguous() && packed.dim() == 3, "packed weight: contiguous panels");
   l.keep.push_back(packed);
@@ -63,6 +63,7 @@ StackLinear make_linear(torch::Tensor packed, c10::optional<torch::Tensor> scale
     l.keep.push_back(*scale_min);
     sm = scale_min->data_ptr();
     half_scales = scale_min->scalar_type() == at::kHalf;
+    TORCH_CHECK(!zero_point || half_scales, "zero points: fp16 scale/zero panels");
     K = scale_min->size(1) * group_size;
   } else {
     TORCH_CHECK(packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16, "packed weight dtype");
@@ -75,7 +76,8 @@ StackLinear make_linear(torch::Tensor packed, c10::optional<torch::Tensor> scale
     pb = b.data_ptr<float>();
   }
   TORCH_CHECK(packed.size(0) * 16 >= out_features, "out_features larger than the packed weight");
-  l.w = {packed.scalar_type(), packed.data_ptr(), sm, pb, out_features, K, group_size, int8_rows, half_scales};
+  l.w = {packed.scalar_type(), packed.data_ptr(), sm, pb, out_features, K, group_size, int8_rows, half_scales,
+         zero_point};
   return l;
 }
 
@@ -182,12 +184,13 @@ class DecodeStack {
   };
 
   static StackLinear linear(const py::tuple& spec) {
-    TORCH_CHECK(spec.size() == 6, "linear: (packed, scale_min, bias, out_features, group_size, int8_rows)");
+    TORCH_CHECK(spec.size() == 7,
+                "linear: (packed, scale_min, bias, out_features, group_size, int8_rows, zero_point)");
     auto opt = [](const py::handle& h) {
       return h.is_none() ? c10::optional<torch::Tensor>() : c10::optional<torch::Tensor>(h.cast<torch::Tensor>());
     };
     return make_linear(spec[0].cast<torch::Tensor>(), opt(spec[1]), opt(spec[2]), spec[3].cast<int64_t>(),
-                       spec[4].cast<int64_t>(), spec[5].cast<int64_t>());
+                       spec[4].cast<int64_t>(), spec[5].cast<int64_t>(), spec[6].cast<bool>());
   }
 
   // One attention plan per layer (layers differ in cache and window); the split of work depends only on

@@ -249,14 +249,30 @@ constexpr int64_t PF4 = 1024;  // bytes of a panel prefetched ahead by the decod
 
 inline int64_t round4(int64_t K) { return (K + 3) / 4 * 4; }
 
+// The scale/min panels' kinds: fp32 or fp16 (scale, min) pairs, or HalfZero: fp16 (scale, zero point z)
+// with min = -z * scale formed in fp32 (exact: an 11-bit mantissa times a small integer), so that GPTQ's
+// (q - z) * s keeps 16 bits a pair although -z * s is rarely an fp16.
+struct HalfZero {};
+template <typename S> struct ScaleMinStorage { using T = S; };
+template <> struct ScaleMinStorage<HalfZero> { using T = c10::Half; };
+template <typename S> using sm_t = typename ScaleMinStorage<S>::T;
+
 #ifdef PC_AVX2
 // 8 scales or mins as fp32.
 inline __m256 load_sm(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load_sm(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+// 8 mins for the 8 scales s.
+template <typename S>
+inline __m256 load_min(const sm_t<S>* p, __m256 s) {
+  if constexpr (std::is_same_v<S, HalfZero>)
+    return _mm256_fnmadd_ps(load_sm(p), s, _mm256_setzero_ps());
+  else
+    return load_sm(p);
+}
 
 // Each k of the panel dequantized (columns 0-7, 8-15) and handed to f(k, t = k % 4, w0, w1).
 template <typename S, typename F>
-inline void for_each_dequantized(const uint8_t* q, const S* sm, int64_t K, int64_t G, F&& f) {
+inline void for_each_dequantized(const uint8_t* q, const sm_t<S>* sm, int64_t K, int64_t G, F&& f) {
   const __m256i nib = _mm256_set1_epi32(0x0F);
   __m256 s0 = _mm256_setzero_ps(), s1 = s0, m0 = s0, m1 = s0;
   int64_t next = 0;  // first input of the next group
@@ -268,9 +284,9 @@ inline void for_each_dequantized(const uint8_t* q, const S* sm, int64_t K, int64
       const int64_t k = k0 + t;
       if (k == K) return;
       if (k == next) {  // groups of any even size: one may start inside a quad
-        const S* gsm = sm + (k / G) * 2 * NR;
+        const sm_t<S>* gsm = sm + (k / G) * 2 * NR;
         s0 = load_sm(gsm), s1 = load_sm(gsm + 8);
-        m0 = load_sm(gsm + NR), m1 = load_sm(gsm + NR + 8);
+        m0 = load_min<S>(gsm + NR, s0), m1 = load_min<S>(gsm + NR + 8, s1);
         next += G;
       }
       const __m256i b = _mm256_srli_epi32(v, 8 * t);
@@ -283,10 +299,10 @@ inline void for_each_dequantized(const uint8_t* q, const S* sm, int64_t K, int64
 
 // One row, fp32 activations: dequantize in registers, two interleaved accumulator sets (FMA latency).
 template <typename S>
-__attribute__((noinline)) void micro_kernel_int4(const float* a, const uint8_t* q, const S* sm, int64_t K,
+__attribute__((noinline)) void micro_kernel_int4(const float* a, const uint8_t* q, const sm_t<S>* sm, int64_t K,
                                                  int64_t G, float* c) {
   __m256 acc[2][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
-  for_each_dequantized(q, sm, K, G, [&](int64_t k, int t, __m256 w0, __m256 w1) {
+  for_each_dequantized<S>(q, sm, K, G, [&](int64_t k, int t, __m256 w0, __m256 w1) {
     const __m256 av = _mm256_broadcast_ss(a + k);
     acc[t & 1][0] = _mm256_fmadd_ps(av, w0, acc[t & 1][0]);
     acc[t & 1][1] = _mm256_fmadd_ps(av, w1, acc[t & 1][1]);
@@ -297,8 +313,8 @@ __attribute__((noinline)) void micro_kernel_int4(const float* a, const uint8_t* 
 
 // The panel as fp32 [K, 16], for many rows (then the fp32 micro-kernel runs at the FMA rate).
 template <typename S>
-void widen_int4(const uint8_t* q, const S* sm, int64_t K, int64_t G, float* buf) {
-  for_each_dequantized(q, sm, K, G, [&](int64_t k, int, __m256 w0, __m256 w1) {
+void widen_int4(const uint8_t* q, const sm_t<S>* sm, int64_t K, int64_t G, float* buf) {
+  for_each_dequantized<S>(q, sm, K, G, [&](int64_t k, int, __m256 w0, __m256 w1) {
     _mm256_storeu_ps(buf + k * NR, w0);
     _mm256_storeu_ps(buf + k * NR + 8, w1);
   });
@@ -310,13 +326,13 @@ void widen_int4(const uint8_t* q, const S* sm, int64_t K, int64_t G, float* buf)
 // (<= 30480, no overflow), widened once per block by madd with ones.
 template <int R, typename S>
 __attribute__((noinline)) void micro_kernel_int4_int8(const int8_t* xq, const float* d, const float* xs, int64_t K,
-                                                      int64_t G, const uint8_t* q, const S* sm, float* c) {
+                                                      int64_t G, const uint8_t* q, const sm_t<S>* sm, float* c) {
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int64_t blocks = K / QB, groups = K / G, per_group = G / QB;
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const S* gsm = sm + g * 2 * NR;
+    const sm_t<S>* gsm = sm + g * 2 * NR;
     const __m256 s0 = load_sm(gsm), s1 = load_sm(gsm + 8);
     for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
       const uint8_t* qb = q + b * QB * 8;  // 256 bytes: 8 quads
@@ -341,7 +357,7 @@ __attribute__((noinline)) void micro_kernel_int4_int8(const int8_t* xq, const fl
         acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r][1], ones)), _mm256_mul_ps(s1, dv), acc[r][1]);
       }
     }
-    const __m256 m0 = load_sm(gsm + NR), m1 = load_sm(gsm + NR + 8);
+    const __m256 m0 = load_min<S>(gsm + NR, s0), m1 = load_min<S>(gsm + NR + 8, s1);
     for (int r = 0; r < R; ++r) {
       const __m256 xsv = _mm256_broadcast_ss(xs + r * groups + g);
       acc[r][0] = _mm256_fmadd_ps(xsv, m0, acc[r][0]);
@@ -354,34 +370,42 @@ __attribute__((noinline)) void micro_kernel_int4_int8(const int8_t* xq, const fl
   }
 }
 #else
+template <typename S>
+inline float min_of(const sm_t<S>* gsm, int64_t j) {  // column j's min in a group's panel
+  if constexpr (std::is_same_v<S, HalfZero>)
+    return -(float(gsm[NR + j]) * float(gsm[j]));
+  else
+    return float(gsm[NR + j]);
+}
+
 inline int code(const uint8_t* q, int64_t k, int64_t j) {  // column j's code at input k
   const uint8_t b = q[(k / 4) * 32 + (j % 8) * 4 + k % 4];
   return j < 8 ? (b & 0x0F) : (b >> 4);
 }
 
 template <typename S>
-void widen_int4(const uint8_t* q, const S* sm, int64_t K, int64_t G, float* buf) {
+void widen_int4(const uint8_t* q, const sm_t<S>* sm, int64_t K, int64_t G, float* buf) {
   for (int64_t k = 0; k < K; ++k) {
-    const S* gsm = sm + (k / G) * 2 * NR;
-    for (int64_t j = 0; j < NR; ++j) buf[k * NR + j] = float(code(q, k, j)) * float(gsm[j]) + float(gsm[NR + j]);
+    const sm_t<S>* gsm = sm + (k / G) * 2 * NR;
+    for (int64_t j = 0; j < NR; ++j) buf[k * NR + j] = float(code(q, k, j)) * float(gsm[j]) + min_of<S>(gsm, j);
   }
 }
 
 template <int R, typename S>
 void micro_kernel_int4_int8(const int8_t* xq, const float* d, const float* xs, int64_t K, int64_t G,
-                            const uint8_t* q, const S* sm, float* c) {
+                            const uint8_t* q, const sm_t<S>* sm, float* c) {
   const int64_t blocks = K / QB, groups = K / G, per_group = G / QB;
   for (int r = 0; r < R; ++r)
     for (int64_t j = 0; j < NR; ++j) {
       float acc = 0;
       for (int64_t g = 0; g < groups; ++g) {
-        const S* gsm = sm + g * 2 * NR;
+        const sm_t<S>* gsm = sm + g * 2 * NR;
         for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
           int32_t dot = 0;
           for (int64_t k = b * QB; k < (b + 1) * QB; ++k) dot += code(q, k, j) * xq[r * K + k];
           acc += float(dot) * (float(gsm[j]) * d[r * blocks + b]);
         }
-        acc += xs[r * groups + g] * float(gsm[NR + j]);
+        acc += xs[r * groups + g] * min_of<S>(gsm, j);
       }
       c[r * NR + j] = acc;
     }
@@ -438,16 +462,16 @@ void int4_int8_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t 
   float c[2 * NR];
   for (int64_t p = p0; p < p1; ++p) {
     const uint8_t* qp = q + p * Kp * 8;
-    const S* smp = static_cast<const S*>(w.scale_min) + p * groups * 2 * NR;
+    const sm_t<S>* smp = static_cast<const sm_t<S>*>(w.scale_min) + p * groups * 2 * NR;
     const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
     for (int64_t i = 0; i < M; i += 2) {
       const int64_t rows = std::min<int64_t>(2, M - i);
       const int8_t* xi = in.xq.data() + i * K;
       const float *di = in.d.data() + i * (K / QB), *si = in.xs.data() + i * groups;
       if (rows == 2)
-        micro_kernel_int4_int8<2>(xi, di, si, K, G, qp, smp, c);
+        micro_kernel_int4_int8<2, S>(xi, di, si, K, G, qp, smp, c);
       else
-        micro_kernel_int4_int8<1>(xi, di, si, K, G, qp, smp, c);
+        micro_kernel_int4_int8<1, S>(xi, di, si, K, G, qp, smp, c);
       store_tile(c, rows, ncols, w.bias, n0, y + i * N + n0, N);
     }
   }
@@ -469,8 +493,8 @@ void int4_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, i
     const int64_t m1 = std::min(M, m0 + MC);
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* qp = q + p * Kp * 8;
-      const S* smp = static_cast<const S*>(w.scale_min) + p * groups * 2 * NR;
-      if (widen) widen_int4(qp, smp, K, G, wbuf.data());
+      const sm_t<S>* smp = static_cast<const sm_t<S>*>(w.scale_min) + p * groups * 2 * NR;
+      if (widen) widen_int4<S>(qp, smp, K, G, wbuf.data());
       const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
       for (int64_t i = m0; i < m1; i += MR) {
         const int64_t rows = std::min(MR, m1 - i);
@@ -478,7 +502,7 @@ void int4_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, i
           tile(rows, in.xp.data() + i * K, wbuf.data(), K, c);
 #ifdef PC_AVX2
         else
-          micro_kernel_int4(in.xp.data() + i * K, qp, smp, K, G, c);
+          micro_kernel_int4<S>(in.xp.data() + i * K, qp, smp, K, G, c);
 #endif
         store_tile(c, rows, ncols, w.bias, n0, y + i * N + n0, N);
       }
@@ -501,6 +525,10 @@ void panels_of(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int
     case at::kFloat: return dense_panels<X, float>(w, in, y, p0, p1, wbuf);
     case at::kBFloat16: return dense_panels<X, c10::BFloat16>(w, in, y, p0, p1, wbuf);
     case at::kByte:
+      if (w.zero_point) {
+        if (in.int8) return int4_int8_panels<X, HalfZero>(w, in, y, p0, p1);
+        return int4_panels<X, HalfZero>(w, in, y, p0, p1, wbuf);
+      }
       if (w.half_scales) {
         if (in.int8) return int4_int8_panels<X, c10::Half>(w, in, y, p0, p1);
         return int4_panels<X, c10::Half>(w, in, y, p0, p1, wbuf);
@@ -643,12 +671,14 @@ std::tuple<torch::Tensor, torch::Tensor> pack_int4_weight(torch::Tensor q, torch
 }
 
 torch::Tensor packed_linear_int4(torch::Tensor x, torch::Tensor q, torch::Tensor sm, int64_t out_features,
-                                 int64_t group_size, c10::optional<torch::Tensor> bias, int64_t int8_rows) {
+                                 int64_t group_size, c10::optional<torch::Tensor> bias, int64_t int8_rows,
+                                 bool zero_point) {
   TORCH_CHECK(q.dim() == 3 && q.size(2) == 8 && q.is_contiguous() && q.scalar_type() == at::kByte, "q: [panels, K, 8]");
   TORCH_CHECK(sm.dim() == 4 && sm.size(0) == q.size(0) && sm.size(2) == 2 && sm.size(3) == NR && sm.is_contiguous() &&
                   (sm.scalar_type() == at::kFloat || sm.scalar_type() == at::kHalf),
               "scale/min: [panels, K / G, 2, 16] fp32 or fp16");
   const int64_t G = group_size, K = sm.size(1) * G, N = out_features;
+  TORCH_CHECK(!zero_point || sm.scalar_type() == at::kHalf, "zero points: fp16 scale/zero panels");
   TORCH_CHECK(G > 0 && q.size(1) == round4(K), "group_size does not match the packed weight");
   TORCH_CHECK(x.size(-1) == K, "x's last dimension must be the weight's in_features");
   TORCH_CHECK(q.size(0) * NR >= N, "out_features larger than the packed weight");
@@ -665,6 +695,7 @@ torch::Tensor packed_linear_int4(torch::Tensor x, torch::Tensor q, torch::Tensor
   }
   const float* pb = b.defined() ? b.data_ptr<float>() : nullptr;
   if (M > 0)
-    run_linear({at::kByte, q.data_ptr(), sm.data_ptr(), pb, N, K, G, int8_rows, sm.scalar_type() == at::kHalf}, x2, y);
+    run_linear({at::kByte, q.data_ptr(), sm.data_ptr(), pb, N, K, G, int8_rows, sm.scalar_type() == at::kHalf,
+                zero_point}, x2, y);
   return y.view(out_sizes);
 }

@@ -48,6 +48,7 @@ struct PackedWeight {
   const float* bias;      // fp32 [N] or nullptr
   int64_t N, K, group_size, int8_rows;
   bool half_scales = false;  // scale_min holds fp16
+  bool zero_point = false;   // fp16 (scale, zero point z) pairs: min = -z * scale
   int64_t panels() const { return (N + 15) / 16; }
 };
 
