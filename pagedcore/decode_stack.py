@@ -24,7 +24,7 @@ from torch import nn
 from pagedcore import fused_projections, lean_layers, quantization
 from pagedcore.kernels import cpu_ext, kv_quant
 from pagedcore.kernels.cpu_attention import ExtDecodePlan, _ext_plan
-from pagedcore.quantization import Int4Linear
+from pagedcore.quantization import Int4Linear, Int8Linear
 
 logger = logging.getLogger("pagedcore")
 
@@ -145,7 +145,10 @@ def _linear_spec(module: nn.Module) -> tuple:
     if type(module) is Int4Linear and module.ext is not None and module.input_perm is None:
         return (module.packed, module.scales_and_zeros, bias, module.out_features, module.group_size,
                 -1 if module.int8_activations else 0, module.zero_point)
-    raise ValueError(f"{type(module).__name__} is neither a packed nor an int4 linear")
+    if type(module) is Int8Linear and module.ext is not None:
+        return (module.qweight, module.scale, bias, module.out_features, module.group_size or module.in_features,
+                -1 if module.int8_activations else 0, False)
+    raise ValueError(f"{type(module).__name__} is neither a packed, an int4 nor an int8 linear")
 
 
 def _unsupported(ext, model: nn.Module, kv_caches: list, backend) -> str | None:

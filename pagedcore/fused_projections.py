@@ -23,7 +23,7 @@ from torch import nn
 
 from pagedcore import installs, packed_linear, quantization
 from pagedcore.kernels import cpu_ext
-from pagedcore.quantization import Int4Linear
+from pagedcore.quantization import Int4Linear, Int8Linear
 
 # Rows up to which the fused matmul runs: decode batches, where a call's fixed cost is not amortised.
 FUSED_ROWS = 8
@@ -93,6 +93,8 @@ def _fuse(ext, members: list[nn.Module]) -> FusedProjection | None:
         return _fuse_packed(ext, members, widths)
     if all(type(m) is Int4Linear for m in members):
         return _fuse_int4(ext, members, widths)
+    if all(type(m) is Int8Linear for m in members):
+        return _fuse_int8(ext, members, widths)
     return None
 
 
@@ -132,6 +134,30 @@ def _fuse_int4(ext, members: list[Int4Linear], widths: tuple[int, ...]) -> Fused
     return FusedProjection(tuple(members), widths, run,
                            (packed, scale_min, bias, total, group, -1 if first.int8_activations else 0,
                             first.zero_point))
+
+
+def _fuse_int8(ext, members: list[Int8Linear], widths: tuple[int, ...]) -> FusedProjection | None:
+    first = members[0]
+    same = all(m.ext is not None and m.group_size == first.group_size and m.scale.dtype == first.scale.dtype
+               and m.int8_activations == first.int8_activations for m in members)
+    if not same:
+        return None
+    packed = torch.cat([m.qweight for m in members])
+    scales = torch.cat([m.scale for m in members])
+    bias = _cat_bias(members, widths)
+
+    def share(m, packed_view, scales_view):
+        m.qweight, m.scale = packed_view, scales_view
+
+    _share_panels((packed, scales), members, widths, share)
+    total, group = sum(widths), first.group_size or first.in_features
+
+    def run(x):
+        rows = quantization.INT8_ACTIVATION_ROWS if first.int8_activations else 0
+        return ext.packed_linear_int8(x, packed, scales, total, group, bias, rows)
+
+    return FusedProjection(tuple(members), widths, run,
+                           (packed, scales, bias, total, group, -1 if first.int8_activations else 0, False))
 
 
 def _share_panels(fused, members, widths, assign) -> None:

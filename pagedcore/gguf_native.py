@@ -61,7 +61,7 @@ def int8_linear(raw: np.ndarray, bias, dtype: torch.dtype) -> nn.Module:
 
     blocks = raw.reshape(raw.shape[0], -1, 34)
     q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8)).reshape(raw.shape[0], -1)
-    return Int8Linear(q, f16(blocks, 0), bias, dtype, BLOCK)
+    return Int8Linear(q, f16(blocks, 0), bias, dtype, BLOCK, int8_activations=True)  # Q8_0 x Q8_0 at decode
 
 
 def read_quantized(gguf_path: Path, hf_dir: Path) -> tuple[str, dict[str, tuple[str, np.ndarray]]]:

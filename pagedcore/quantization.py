@@ -163,22 +163,37 @@ class Int8Linear(nn.Module):
     """Weight-only int8 linear: w = q * scale, q int8 [N, K], scale [N] (one per output channel) or
     [N, K / group_size] (groups: GGUF Q8_0, compressed-tensors' group strategy).
 
-    Per channel runs torch's `_weight_int8pack_mm` (int8 weights read as they are). Groups are widened
-    to the activation dtype per call in torch: exact, and the resident weight is int8, but each call
-    writes a dense copy, so it is slower than a dense linear; a grouped int8 kernel is still to come."""
+    On the CPU with the C++ ops: pagedcore's int8 panels (kernels/csrc/cpu_gemm.cpp), scales in fp16 where
+    every one is one (Q8_0's d), else fp32; `int8_activations` (GGUF's Q8_0, as llama.cpp computes it)
+    quantizes decode rows' activations to int8 per 32 inputs, W8A16 formats keep fp32 activations.
+    Otherwise torch: per channel `_weight_int8pack_mm`, groups widened per call (exact, slower)."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                 group_size: int | None = None):
+                 group_size: int | None = None, int8_activations: bool = False):
         super().__init__()
         n, k = q.shape
         self.in_features, self.out_features = k, n
         self.group_size = None if group_size in (None, k) else group_size
+        self.int8_activations = int8_activations
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        self.ext = cpu_ext.load() if q.device.type == "cpu" else None
+        if self.ext is not None:
+            group = self.group_size or k
+            scale = scale.float().reshape(n, k // group)
+            packed, scales = self.ext.pack_int8_weight(q.to(torch.int8), scale.half() if exactly_fp16(scale) else scale,
+                                                       group)
+            self.register_buffer("qweight", packed)
+            self.register_buffer("scale", scales)
+            return
         self.register_buffer("qweight", q.to(torch.int8).contiguous())
         # per channel: torch's kernel takes the scales in the activation dtype; groups keep fp32 (GGUF's fp16 exactly)
         self.register_buffer("scale", scale.reshape(n).to(dtype) if self.group_size is None else scale.float())
-        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ext is not None:
+            return self.ext.packed_linear_int8(x, self.qweight, self.scale, self.out_features,
+                                               self.group_size or self.in_features, self.bias,
+                                               INT8_ACTIVATION_ROWS if self.int8_activations else 0)
         x2 = x.reshape(-1, self.in_features)
         if self.group_size is None:
             out = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale.to(x.dtype))

@@ -138,10 +138,10 @@ def q8_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks / d) * d).view(x.shape)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_decode_rows_compute_as_llama_cpp_does(gguf_files, qtype, rows):
-    """Decode rows (M <= INT8_ACTIVATION_ROWS): 4-bit blocks times int8 activation blocks, which is
+    """Decode rows (M <= INT8_ACTIVATION_ROWS): 4- or 8-bit blocks times int8 activation blocks, which is
     gguf's de-quantized weight times llama.cpp's de-quantized Q8 activations, to fp32 summation order."""
     if quantization.cpu_ext.load() is None:
         pytest.skip("torch's int4 kernel (no C++ ops) keeps the activations as they are")
@@ -226,3 +226,20 @@ def test_bundled_q4_1_model_native_matches_dequantized(chat_prompt_ids, monkeypa
     agree = [common_prefix(a, b) for a, b in zip(want, int8)]
     print("GGUF int8 vs fp32 activations, tokens before the first divergence:", agree)
     assert sum(agree) >= FLOOR_AGREEMENT * sum(map(len, want))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_decode_stack_runs_the_files_blocks(gguf_files, qtype):
+    """The decode stack over the file's own Q4 / Q8 blocks (fused q/k/v and gate/up): tokens and logprobs
+    equal the layer-by-layer path's, int8 activations on both."""
+    path = str(gguf_files[qtype][0])
+    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=2, ignore_eos=True)
+    results = []
+    for stack in (True, False):
+        llm = LLM(path, quantization="gguf", num_kv_blocks=64, block_size=8, decode_stack=stack)
+        assert (llm.engine.runner.decode_stack is not None) == stack
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs])
+                        for o in outs])
+        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    assert results[0] == results[1]

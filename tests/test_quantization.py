@@ -227,3 +227,53 @@ def test_int8_linear_equals_its_dequantized_weight(dtype, group_size):
     assert out.dtype == dtype and out.shape == (2, 5, 48)
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err < (1e-6 if dtype == torch.float32 else 1e-2), err
+
+
+def q8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x through llama.cpp's Q8 activation blocks (32 inputs, d = max|x| / 127, round to nearest), fp32 d."""
+    blocks = x.double().view(*x.shape[:-1], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(blocks / d) * d).view(x.shape)
+
+
+@pytest.mark.parametrize("group_size", [None, 32, 64])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_int8_linear_decode_rows_with_int8_activations(group_size, rows):
+    """Q8_0 x Q8_0 (GGUF, as llama.cpp): decode rows' activations quantized per 32 inputs, integer dots;
+    equal to the de-quantized weight times the de-quantized activation blocks, to fp32 summation order."""
+    from pagedcore import quantization
+    from pagedcore.quantization import Int8Linear
+
+    if quantization.cpu_ext.load() is None:
+        pytest.skip("torch's int8 path keeps the activations as they are")
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randint(-128, 128, (40, 128), generator=g, dtype=torch.int8)  # -128 too: |w| as unsigned
+    scale = (torch.rand(40, 1 if group_size is None else 128 // group_size, generator=g) * 0.01 + 1e-3).half()
+    w = (q.double().view(40, scale.shape[1], -1) * scale.double()[..., None]).view(40, 128)
+    x = torch.randn(rows, 128, generator=g)
+    layer = Int8Linear(q, scale.float(), None, torch.float32, group_size, int8_activations=True)
+    assert layer.scale.dtype == torch.float16  # every scale an fp16: 16 bits each
+    out = layer(x).double()
+    want = q8_blocks(x) @ w.T
+    torch.testing.assert_close(out, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
+    assert (out - x.double() @ w.T).abs().max() > 1e-4 * want.abs().max()  # the activations were quantized
+    exact = Int8Linear(q, scale.float(), None, torch.float32, group_size)(x).double()  # W8A16: fp32 activations
+    torch.testing.assert_close(exact, x.double() @ w.T, atol=1e-5, rtol=1e-5)
+
+
+def test_int8_linear_odd_shapes_and_bf16():
+    """Widths the panels pad (37 outputs), inputs no multiple of 32 (per channel: fp32 activations at every M)."""
+    from pagedcore.quantization import Int8Linear
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(-127, 128, (37, 100), generator=g, dtype=torch.int8)
+    scale = torch.rand(37, 1, generator=g) * 0.01 + 1e-3
+    w = q.double() * scale.double()
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = Int8Linear(q, scale, torch.ones(37), dtype, None, int8_activations=True)
+        for rows in (1, 3, 17):
+            x = torch.randn(rows, 100, generator=g)
+            out = layer(x.to(dtype))
+            assert out.dtype == dtype and out.shape == (rows, 37) and not out.isnan().any()
+            ref = x.double() @ w.T + 1
+            assert ((out.double() - ref).norm() / ref.norm()) < (1e-6 if dtype == torch.float32 else 1e-2)

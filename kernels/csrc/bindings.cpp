@@ -23,6 +23,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "accumulation; inputs of M <= int8_rows rows quantized to int8 per 32 (integer dot products), others fp32",
         py::arg("x"), py::arg("q"), py::arg("sm"), py::arg("out_features"), py::arg("group_size"),
         py::arg("bias") = py::none(), py::arg("int8_rows") = 0, py::arg("zero_point") = false);
+  m.def("pack_int8_weight", &pack_int8_weight, "q int8 [N, K], scale [N, K/G] -> int8 panels, scale panels");
+  m.def("packed_linear_int8", &packed_linear_int8,
+        "x @ W^T (+ bias), W = q * scale per group (one group of K: per channel); fp32 accumulation; inputs of "
+        "M <= int8_rows rows quantized to int8 per 32 (integer dot products), others kept fp32",
+        py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("out_features"), py::arg("group_size"),
+        py::arg("bias") = py::none(), py::arg("int8_rows") = 0);
   bind_decode_stack(m);
   m.def("sample_inverse_cdf", &sample_inverse_cdf, "per row: first token whose running fp64 sum exceeds u * total");
 }

@@ -56,14 +56,14 @@ StackLinear make_linear(torch::Tensor packed, c10::optional<torch::Tensor> scale
   const void* sm = nullptr;
   bool half_scales = false;
   int64_t K = packed.size(1);
-  if (packed.scalar_type() == at::kByte) {
+  if (packed.scalar_type() == at::kByte || packed.scalar_type() == at::kChar) {  // int4 / int8 codes
     TORCH_CHECK(scale_min.has_value() && scale_min->is_contiguous() &&
                     (scale_min->scalar_type() == at::kFloat || scale_min->scalar_type() == at::kHalf),
-                "int4 weight: fp32 or fp16 scale/min panels");
+                "int4 / int8 weight: fp32 or fp16 scale(/min) panels");
     l.keep.push_back(*scale_min);
     sm = scale_min->data_ptr();
     half_scales = scale_min->scalar_type() == at::kHalf;
-    TORCH_CHECK(!zero_point || half_scales, "zero points: fp16 scale/zero panels");
+    TORCH_CHECK(!zero_point || (half_scales && packed.scalar_type() == at::kByte), "zero points: fp16 int4 panels");
     K = scale_min->size(1) * group_size;
   } else {
     TORCH_CHECK(packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16, "packed weight dtype");

@@ -42,7 +42,8 @@ struct DecodeAttention {
 
 // ---- linears over packed weights (cpu_gemm.cpp) -----------------------------------------------
 struct PackedWeight {
-  at::ScalarType type;  // kFloat / kBFloat16 panels, or kByte: int4 panels with scale/min panels
+  at::ScalarType type;  // kFloat / kBFloat16 panels; kByte: int4 panels with scale/min panels; kChar: int8 panels
+                        // with scale panels
   const void* w;
   const void* scale_min;  // int4 only: fp32, or fp16 where the format's scales are (GGUF's d and m)
   const float* bias;      // fp32 [N] or nullptr

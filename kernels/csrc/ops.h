@@ -41,6 +41,9 @@ std::tuple<torch::Tensor, torch::Tensor> pack_int4_weight(torch::Tensor q, torch
 torch::Tensor packed_linear_int4(torch::Tensor x, torch::Tensor q, torch::Tensor sm, int64_t out_features,
                                  int64_t group_size, c10::optional<torch::Tensor> bias, int64_t int8_rows,
                                  bool zero_point);
+std::tuple<torch::Tensor, torch::Tensor> pack_int8_weight(torch::Tensor q, torch::Tensor scale, int64_t group_size);
+torch::Tensor packed_linear_int8(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t out_features,
+                                 int64_t group_size, c10::optional<torch::Tensor> bias, int64_t int8_rows);
 
 // cpu_decode_stack.cpp: the DecodeStack class (a decoder stack for decode rows, one call per step).
 void bind_decode_stack(py::module& m);
