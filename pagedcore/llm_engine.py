@@ -23,9 +23,10 @@ from pagedcore.model_runner import ModelRunner
 from pagedcore.output_processor import OutputProcessor, RequestState
 from pagedcore.outputs import OutputKind, RequestOutput
 from pagedcore.plugins import make_plugin_manager
-from pagedcore.sampler import Sampler, SamplingBatch
+from pagedcore.sample_step import SampleStep, eos_token_ids, seq_generator
+from pagedcore.sampler import Sampler
 from pagedcore.sampling_params import InvalidRequestError, SamplingParams
-from pagedcore.scheduler import SampledOutput, Scheduler, SequenceSample
+from pagedcore.scheduler import SampledOutput, Scheduler
 from pagedcore.sequence import Sequence, SequenceStatus
 from pagedcore.spec_decode import make_spec_decoder
 from pagedcore.structured_output.manager import StructuredOutputManager, make_backend
@@ -70,7 +71,7 @@ class LLMEngine:
         policy = hook.pagedcore_scheduling_policy(name=self.config.scheduling_policy)
         if policy is None:
             raise ValueError(f"unknown scheduling policy {self.config.scheduling_policy!r}")
-        self.eos_token_ids = self._eos_token_ids()
+        self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
         self.scheduler = Scheduler(self.config, self.kv, policy, on_event=_weak_method(self._on_scheduler_event),
                                    eos_token_ids=self.eos_token_ids)
         self.sampler = Sampler()
@@ -89,6 +90,8 @@ class LLMEngine:
         self.structured_output = StructuredOutputManager(functools.partial(
             make_backend, hook, self.config.structured_outputs_backend, self.tokenizer, self.vocab_size,
             sorted(self.eos_token_ids)), self.vocab_size)
+        self.sample_step = SampleStep(self.logits_processors, self.structured_output, self.eos_token_ids,
+                                      self.output_processor.make_logprobs, self.spec, self._seq_counter)
         self.max_concurrent_requests = self.config.max_concurrent_requests or max(self.config.max_num_seqs,
                                                                                   self.kv.num_blocks)
         self.rejected = RequestCounts(REJECT_REASONS)  # by reason: pagedcore:requests_rejected_total
@@ -197,7 +200,7 @@ class LLMEngine:
         for i in range(num_seqs):
             seq = Sequence(next(self._seq_counter), request_id, i, p.prompt_token_ids, params, max_total_tokens,
                            arrival_time=state.metrics.arrival_time, priority=priority,
-                           generator=self._generator(params, i), cache_salt=salt, lora=lora)
+                           generator=seq_generator(params, i, self.device), cache_salt=salt, lora=lora)
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, p.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
@@ -286,7 +289,7 @@ class LLMEngine:
                 self.structured_output.wait_for_compiles()
                 return outputs
             rows, logits = self.runner.execute(sched)
-            sampled = self._sample([sched.scheduled[i][0] for i in rows], logits)
+            sampled = self.sample_step([sched.scheduled[i][0] for i in rows], logits, self.requests, self.sampler)
             self.scheduler.update_from_output(sched, sampled)
             if self.spec is not None:
                 self.spec.release_finished()
@@ -352,65 +355,6 @@ class LLMEngine:
         error = RequestFailedError(f"generation failed: {type(e).__name__}: {e}")
         return [self._end_with_error(rid, error, "error") for rid in rids]
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SampledOutput:
-        """The next token of every sequence that reached its end: the sampler's for most, the
-        request's beam group's for beam search. Only decides; the scheduler applies it."""
-        out = SampledOutput()
-        if self.spec is not None and any(seq.num_draft_tokens for seq in seqs):
-            samples, seqs, logits = self.spec.verify_drafted(seqs, logits, self.eos_token_ids,
-                                                             self.output_processor.make_logprobs)
-            out.samples += samples
-        is_beam = [self.requests[seq.request_id].beam is not None for seq in seqs]
-        beam_rows = [(seq, logits[i]) for i, seq in enumerate(seqs) if is_beam[i]]
-        if beam_rows:  # beams leave the sampler's batch
-            keep = [i for i, beam in enumerate(is_beam) if not beam]
-            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
-            seqs = [seqs[i] for i in keep]
-        if seqs:
-            out.samples += self._sample_tokens(*self._with_forks(seqs, logits))
-        for group in self._ready_beam_groups(beam_rows):
-            state = self.requests[group.beams[0].request_id]
-            group.step_into(out, self._seq_counter)
-            state.seqs = list(group.beams)
-        return out
-
-    def _with_forks(self, seqs: list[Sequence], logits: torch.Tensor):
-        """When a request's prompt is done, its other samples join it: they sample from the same
-        logits, and the scheduler forks the prompt's blocks to them (ref counts; only the shared
-        partial block is copied, on write)."""
-        forks = []
-        for row, seq in enumerate(seqs):
-            state = self.requests[seq.request_id]
-            if state.pending_forks and seq.num_output_tokens == 0:
-                forks += [(row, seq, child) for child in state.pending_forks]
-                state.pending_forks = []
-        parents = [None] * len(seqs) + [parent for _, parent, _ in forks]
-        if forks:
-            rows = list(range(len(seqs))) + [row for row, _, _ in forks]
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        return seqs + [child for _, _, child in forks], logits, parents
-
-    @torch.inference_mode()  # logits are inference tensors; processors may edit them in place
-    def _sample_tokens(self, seqs: list[Sequence], logits: torch.Tensor, parents: list) -> list[SequenceSample]:
-        for proc in self.logits_processors:
-            logits = proc(logits, seqs)
-        batch = SamplingBatch.build(
-            [s.params for s in seqs], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-            [s.generator for s in seqs], self.eos_token_ids, logits.shape[-1], logits.device)
-        batch.token_bitmask = self.structured_output.bitmask([s.grammar for s in seqs])
-        out = self.sampler(logits, batch)
-        token_ids = out.sampled_token_ids.tolist()
-        token_logprobs = out.sampled_logprobs.tolist()
-        top_ids = out.topk_token_ids.tolist() if out.topk_token_ids is not None else None
-        top_lps = out.topk_logprobs.tolist() if out.topk_logprobs is not None else None
-        samples = []
-        for i, seq in enumerate(seqs):
-            k = seq.params.logprobs
-            top = None if seq.logprobs is None else [
-                self.output_processor.make_logprobs(token_ids[i], token_logprobs[i], top_ids[i][:k], top_lps[i][:k])]
-            samples.append(SequenceSample(seq, [token_ids[i]], [token_logprobs[i]], top, fork_of=parents[i]))
-        return samples
-
     # ---- structured output (pagedcore/structured_output/) ------------------------------------------
     def compile_grammar(self, params: SamplingParams):
         """Start compiling (or find cached) the grammar of `params.structured_outputs`: a
@@ -437,16 +381,6 @@ class LLMEngine:
                 seq.waiting_for_grammar = False
         return outputs
 
-    # ---- beam search ---------------------------------------------------------------------------
-    def _ready_beam_groups(self, beam_rows) -> list[BeamGroup]:
-        """Beams hand their logits to their group; a group steps once every live beam has them."""
-        ready = {}
-        for seq, row in beam_rows:
-            group = self.requests[seq.request_id].beam
-            if group.add_logits(seq, row):
-                ready[seq.request_id] = group
-        return list(ready.values())
-
     def _collect_outputs(self, sampled: SampledOutput) -> list[RequestOutput]:
         outputs = []
         for rid in dict.fromkeys(s.seq.request_id for s in sampled.samples):
@@ -461,21 +395,6 @@ class LLMEngine:
     # ---- helpers --------------------------------------------------------------------------
     def stats(self, scheduled_tokens: int = 0, generated: int = 0, step_time: float = 0.0) -> EngineStats:
         return EngineStats.from_engine(self, scheduled_tokens, generated, step_time)
-
-    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
-        if params.seed is None:
-            return None
-        # Each sample of a seeded request gets its own stream, reproducible whatever the batch.
-        return torch.Generator(device=self.device).manual_seed(params.seed + index * 1_000_003)
-
-    def _eos_token_ids(self) -> set[int]:
-        ids = set()
-        gen = getattr(self.model, "generation_config", None)
-        eos = getattr(gen, "eos_token_id", None)
-        ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
 
     def _on_scheduler_event(self, kind: str, seq: Sequence, mode: str | None = None) -> None:
         if kind == "scheduled":

@@ -1,4 +1,5 @@
-"""Shared fixtures: the real SmolLM2 (converted once), tiny random-weight models, the HF greedy reference."""
+"""Shared fixtures: the real SmolLM2 (converted once), tiny random-weight models, the HF greedy reference,
+the Sampler's two paths, the offline-API tests' engines."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import os
 
 import pytest
 import torch
+
+from api_helpers import ENGINE, FRANCE, HAIKU, assert_pool_whole, gen1, greedy
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # No GPU here: Triton kernels run in Triton's interpreter, which must be chosen before anything
@@ -161,3 +164,70 @@ def ext():
     if module is None:
         pytest.skip("no C++ toolchain: the C++ CPU ops are not built (callers keep their torch paths)")
     return module
+
+
+@pytest.fixture(scope="module", params=["cpu-ext", "torch"])
+def sampler_path(request):
+    """The Sampler tests run on both paths (`pytestmark = pytest.mark.usefixtures("sampler_path")`): the C++
+    row reductions (greedy argmax+logsumexp, inverse-CDF draw) and the portable torch ones (the exponential
+    race) that other devices use."""
+    import pagedcore.sampler as sampler_mod
+
+    saved = sampler_mod._cpu_ext
+    if request.param == "cpu-ext" and saved() is None:
+        pytest.skip("C++ CPU ops not built")
+    if request.param == "torch":
+        sampler_mod._cpu_ext = lambda: None
+    yield request.param
+    sampler_mod._cpu_ext = saved
+
+
+# ---- the offline API's engines (test_api*.py, test_engine_step_loop.py; helpers in api_helpers.py) -------
+# Module-scoped: each module gets its own, checked whole at its end. A module may define its own `tiny`/`tok`.
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    from pagedcore import LLM
+
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, block_size=8, **ENGINE)
+    yield llm
+    assert_pool_whole(llm.engine)
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_dir):
+    from pagedcore import LLM
+
+    llm = LLM(str(smollm2_dir), num_kv_blocks=64, block_size=16, **ENGINE)
+    yield llm
+    assert_pool_whole(llm.engine)
+
+
+@pytest.fixture(scope="module")
+def tok(smol):
+    return smol.get_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def france(smol):
+    return smol.apply_chat_template([{"role": "user", "content": FRANCE}])
+
+
+@pytest.fixture(scope="module")
+def haiku(smol):
+    return smol.apply_chat_template([{"role": "user", "content": HAIKU}])
+
+
+@pytest.fixture(scope="module")
+def france_greedy(smol, france):
+    """Unconstrained greedy answer; it ends with EOS well before 24 tokens."""
+    c = gen1(smol, france, greedy(24))
+    assert c.finish_reason == "stop" and c.token_ids[-1] in smol.engine.eos_token_ids, c
+    assert "Paris" in c.text
+    return c
+
+
+@pytest.fixture(scope="module")
+def haiku_greedy(smol, haiku):
+    c = gen1(smol, haiku, greedy(24))
+    assert c.finish_reason == "length" and len(c.token_ids) == 24
+    return c

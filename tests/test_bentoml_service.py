@@ -2,13 +2,13 @@
 
 One server for the module, on a free loopback port, with a small float32 engine; greedy texts are
 checked against the offline engine (`pagedcore.LLM`, same settings) on the same prompt and params.
+The door's CLI and PAGEDCORE_* settings, which need no server: test_bentoml_settings.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import time
 
@@ -19,7 +19,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("bentoml")
 
 from conftest import CHAT_PROMPTS  # noqa: E402
-from servers import SERVICE, bentoml_serve, stop, wait_ready  # noqa: E402
+from servers import bentoml_serve, stop, wait_ready  # noqa: E402
 from pagedcore import SamplingParams  # noqa: E402
 from pagedcore.metrics import METRICS  # noqa: E402
 
@@ -464,27 +464,3 @@ def test_metrics_count_one_request_exactly(server, client):
     assert d[f"{tpot}_sum"] * 11 == pytest.approx(d[f"{e2e}_sum"] - d[f"{ttft}_sum"], rel=1e-6)
     assert d["pagedcore:num_preemptions_total"] == 0
 
-
-# ---- the CLI and the settings (no server needed) ---------------------------------------------------------
-def test_serve_bentoml_subcommand_execs_bentoml_serve_with_engine_settings_in_env(monkeypatch):
-    from pagedcore import cli
-
-    seen = {}
-    monkeypatch.setattr(os, "execvpe", lambda file, argv, env: seen.update(argv=argv, env=env))
-    monkeypatch.delenv("PAGEDCORE_DTYPE", raising=False)
-    cli.main(["serve-bentoml", "--host", "127.0.0.1", "--port", "3123", "--dtype", "float32", "--max-num-seqs", "8"])
-    assert seen["argv"][1:] == ["-m", "bentoml", "serve", SERVICE, "--host", "127.0.0.1", "--port", "3123"]
-    assert seen["env"]["PAGEDCORE_DTYPE"] == "float32" and seen["env"]["PAGEDCORE_MAX_NUM_SEQS"] == "8"
-    assert "PAGEDCORE_BLOCK_SIZE" not in seen["env"]  # defaults stay unset: the environment decides
-
-
-def test_engine_settings_from_env_parse_every_config_type():
-    from pagedcore.adapters.bentoml_service import engine_settings_from_env
-
-    env = {"PAGEDCORE_MODEL": "/models/x", "PAGEDCORE_NUM_KV_BLOCKS": "64", "PAGEDCORE_KV_CACHE_FRACTION": "0.5",
-           "PAGEDCORE_ENABLE_CHUNKED_PREFILL": "false", "PAGEDCORE_MAX_MODEL_LEN": "none", "PAGEDCORE_DTYPE": "",
-           "PAGEDCORE_SERVED_MODEL_NAME": "ignored-here"}
-    assert engine_settings_from_env(env) == {"model": "/models/x", "num_kv_blocks": 64, "kv_cache_fraction": 0.5,
-                                             "enable_chunked_prefill": False, "max_model_len": None}
-    with pytest.raises(ValueError, match="PAGEDCORE_MAX_NUM_SEQS"):
-        engine_settings_from_env({"PAGEDCORE_MAX_NUM_SEQS": "many"})
