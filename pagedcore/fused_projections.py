@@ -117,23 +117,9 @@ def _fuse_int4(ext, members: list[Int4Linear], widths: tuple[int, ...]) -> Fused
                for m in members)
     if not same:
         return None
-    packed = torch.cat([m.packed for m in members])
-    scale_min = torch.cat([m.scales_and_zeros for m in members])
-    bias = _cat_bias(members, widths)
-
-    def share(m, packed_view, scale_min_view):
-        m.packed, m.scales_and_zeros = packed_view, scale_min_view
-
-    _share_panels((packed, scale_min), members, widths, share)
-    total, group = sum(widths), first.group_size
-
-    def run(x):
-        rows = quantization.INT8_ACTIVATION_ROWS if first.int8_activations else 0
-        return ext.packed_linear_int4(x, packed, scale_min, total, group, bias, rows, first.zero_point)
-
-    return FusedProjection(tuple(members), widths, run,
-                           (packed, scale_min, bias, total, group, -1 if first.int8_activations else 0,
-                            first.zero_point))
+    return _fuse_codes(members, widths, ("packed", "scales_and_zeros"), first.group_size, first.zero_point,
+                       lambda x, codes, scales, total, bias, rows: ext.packed_linear_int4(
+                           x, codes, scales, total, first.group_size, bias, rows, first.zero_point))
 
 
 def _fuse_int8(ext, members: list[Int8Linear], widths: tuple[int, ...]) -> FusedProjection | None:
@@ -142,22 +128,30 @@ def _fuse_int8(ext, members: list[Int8Linear], widths: tuple[int, ...]) -> Fused
                and m.int8_activations == first.int8_activations for m in members)
     if not same:
         return None
-    packed = torch.cat([m.qweight for m in members])
-    scales = torch.cat([m.scale for m in members])
+    group = first.group_size or first.in_features
+    return _fuse_codes(members, widths, ("qweight", "scale"), group, False,
+                       lambda x, codes, scales, total, bias, rows: ext.packed_linear_int8(
+                           x, codes, scales, total, group, bias, rows))
+
+
+def _fuse_codes(members, widths, names: tuple[str, str], group: int, zero_point: bool, op) -> FusedProjection:
+    """Quantized members (codes and scale panels in the attributes `names`) as one op over their
+    concatenated panels."""
+    codes, scales = (torch.cat([getattr(m, name) for m in members]) for name in names)
     bias = _cat_bias(members, widths)
 
-    def share(m, packed_view, scales_view):
-        m.qweight, m.scale = packed_view, scales_view
+    def share(m, codes_view, scales_view):
+        setattr(m, names[0], codes_view)
+        setattr(m, names[1], scales_view)
 
-    _share_panels((packed, scales), members, widths, share)
-    total, group = sum(widths), first.group_size or first.in_features
+    _share_panels((codes, scales), members, widths, share)
+    total, int8_activations = sum(widths), members[0].int8_activations
 
     def run(x):
-        rows = quantization.INT8_ACTIVATION_ROWS if first.int8_activations else 0
-        return ext.packed_linear_int8(x, packed, scales, total, group, bias, rows)
+        return op(x, codes, scales, total, bias, quantization.INT8_ACTIVATION_ROWS if int8_activations else 0)
 
     return FusedProjection(tuple(members), widths, run,
-                           (packed, scales, bias, total, group, -1 if first.int8_activations else 0, False))
+                           (codes, scales, bias, total, group, -1 if int8_activations else 0, zero_point))
 
 
 def _share_panels(fused, members, widths, assign) -> None:

@@ -768,6 +768,23 @@ void run_linear(const PackedWeight& w, const torch::Tensor& x2, torch::Tensor& y
     gemm_panels(w, in, x2.scalar_type(), y.data_ptr(), p0, p1, wbuf);
   });
 }
+
+// x [..., K] times the packed weight w (its bias from `bias`) -> [..., N] in x's dtype: the torch ops' body.
+torch::Tensor run_packed(const torch::Tensor& x, PackedWeight w, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x: float32 or bfloat16");
+  auto x2 = x.reshape({-1, w.K}).contiguous();
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = w.N;
+  auto y = torch::empty({x2.size(0), w.N}, x.options());
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == w.N, "bias: [out_features]");
+    w.bias = b.data_ptr<float>();
+  }
+  if (x2.size(0) > 0) run_linear(w, x2, y);
+  return y.view(out_sizes);
+}
 }  // namespace
 
 void gemm_input_resize(const PackedWeight& w, int64_t M, GemmInput& in) {
@@ -843,21 +860,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_f
   const int64_t K = packed.size(1), N = out_features;
   TORCH_CHECK(x.size(-1) == K, "x's last dimension must be the weight's in_features");
   TORCH_CHECK(packed.size(0) * NR >= N, "out_features larger than the packed weight");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x: float32 or bfloat16");
-  auto x2 = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0);
-  auto out_sizes = x.sizes().vec();
-  out_sizes.back() = N;
-  auto y = torch::empty({M, N}, x.options());
-  torch::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(b.numel() == N, "bias: [out_features]");
-  }
-  const float* pb = b.defined() ? b.data_ptr<float>() : nullptr;
-  if (M > 0)
-    run_linear({packed.scalar_type(), packed.data_ptr(), nullptr, pb, N, K, 0, 0}, x2, y);
-  return y.view(out_sizes);
+  return run_packed(x, {packed.scalar_type(), packed.data_ptr(), nullptr, nullptr, N, K, 0, 0}, bias);
 }
 
 // q: uint8 [N, K] values 0..15; scale, min: fp32 [N, K / G]. Returns (q panels uint8 [panels, K
@@ -896,22 +899,8 @@ torch::Tensor packed_linear_int4(torch::Tensor x, torch::Tensor q, torch::Tensor
   TORCH_CHECK(G > 0 && q.size(1) == round4(K), "group_size does not match the packed weight");
   TORCH_CHECK(x.size(-1) == K, "x's last dimension must be the weight's in_features");
   TORCH_CHECK(q.size(0) * NR >= N, "out_features larger than the packed weight");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x: float32 or bfloat16");
-  auto x2 = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0);
-  auto out_sizes = x.sizes().vec();
-  out_sizes.back() = N;
-  auto y = torch::empty({M, N}, x.options());
-  torch::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(b.numel() == N, "bias: [out_features]");
-  }
-  const float* pb = b.defined() ? b.data_ptr<float>() : nullptr;
-  if (M > 0)
-    run_linear({at::kByte, q.data_ptr(), sm.data_ptr(), pb, N, K, G, int8_rows, sm.scalar_type() == at::kHalf,
-                zero_point}, x2, y);
-  return y.view(out_sizes);
+  return run_packed(x, {at::kByte, q.data_ptr(), sm.data_ptr(), nullptr, N, K, G, int8_rows,
+                       sm.scalar_type() == at::kHalf, zero_point}, bias);
 }
 
 // q: int8 [N, K]; scale: fp32 or fp16 [N, K / G] (one group of K: per channel). Returns (q panels int8
@@ -942,20 +931,6 @@ torch::Tensor packed_linear_int8(torch::Tensor x, torch::Tensor q, torch::Tensor
   TORCH_CHECK(G > 0 && q.size(1) == round4(K), "group_size does not match the packed weight");
   TORCH_CHECK(x.size(-1) == K, "x's last dimension must be the weight's in_features");
   TORCH_CHECK(q.size(0) * NR >= N, "out_features larger than the packed weight");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x: float32 or bfloat16");
-  auto x2 = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0);
-  auto out_sizes = x.sizes().vec();
-  out_sizes.back() = N;
-  auto y = torch::empty({M, N}, x.options());
-  torch::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(b.numel() == N, "bias: [out_features]");
-  }
-  const float* pb = b.defined() ? b.data_ptr<float>() : nullptr;
-  if (M > 0)
-    run_linear({at::kChar, q.data_ptr(), scale.data_ptr(), pb, N, K, G, int8_rows, scale.scalar_type() == at::kHalf,
-                false}, x2, y);
-  return y.view(out_sizes);
+  return run_packed(x, {at::kChar, q.data_ptr(), scale.data_ptr(), nullptr, N, K, G, int8_rows,
+                       scale.scalar_type() == at::kHalf, false}, bias);
 }
