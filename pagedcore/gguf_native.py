@@ -7,8 +7,9 @@ Per block of 32 weights along a row (one output), as llama.cpp stores them:
 (nibbles: byte j holds element j in its low half and element j + 16 in its high half). At decode the 4-bit
 linears take int8 activations per 32 inputs, as llama.cpp's Q4 x Q8 dot products do; prefill rows and
 `PAGEDCORE_INT4_ACTIVATIONS=fp32` multiply by the exact de-quantized weights. Everything else
-(embeddings, norms, K-quants and other types) comes de-quantized from the HF directory that the default
-path converts once (model_loader.gguf_to_hf_dir), so the skeleton and those tensors are transformers'.
+(norms, K-quants and other types) comes de-quantized from the HF directory that the default path converts
+once (model_loader.gguf_to_hf_dir), so the skeleton and those tensors are transformers'; a tied Q8_0
+token_embd stays Q8_0 as the LM head, and the input embedding reads its rows from it.
 
 llama.cpp's converter permutes the rows of attn_q / attn_k (its rotary layout); transformers undoes it
 when it reads a llama GGUF, and so does this, on the raw blocks (rows are independent).
@@ -111,4 +112,36 @@ def load(gguf_path: Path, hf_dir: Path, dtype: torch.dtype) -> nn.Module:
         module = int8_linear(raw, linear.bias, dtype) if qtype == "Q8_0" else int4_linear(raw, qtype, linear.bias, dtype)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, module)
+    tie_q8_0_head(model, tensors, dtype)
     return model
+
+
+def tie_q8_0_head(model: nn.Module, tensors: dict, dtype: torch.dtype) -> None:
+    """A tied LM head over the file's own Q8_0 token_embd blocks (as llama.cpp runs it, Q8 x Q8 at decode):
+    8.5 bits a weight instead of 16, and the input embedding looks its rows up in the same panels (one
+    copy; the values are the de-quantized ones the default path embeds)."""
+    qtype, raw = tensors.get("token_embd.weight", (None, None))
+    if qtype != "Q8_0" or not model.config.tie_word_embeddings:
+        return
+    head = int8_linear(raw, None, dtype)
+    if head.ext is None:  # torch's int8 layout: keep transformers' de-quantized head
+        return
+    model.set_output_embeddings(head)
+    embedding = model.get_input_embeddings()
+    embedding.forward = _panel_rows(head, dtype)
+    embedding.weight = nn.Parameter(embedding.weight.new_empty(0), requires_grad=False)
+
+
+def _panel_rows(head: nn.Module, dtype: torch.dtype):
+    """Rows of an Int8Linear's weight from its panels ([panels, quads, 16 columns, 4 inputs] int8 codes,
+    [panels, groups, 16] scales): row n is column n % 16 of panel n // 16."""
+    k, group = head.in_features, head.group_size or head.in_features
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        panel, column = ids // 16, ids % 16
+        codes = head.qweight.view(head.qweight.shape[0], -1, 16, 4)[panel, :, column, :]
+        codes = codes.reshape(*ids.shape, -1)[..., :k].view(*ids.shape, k // group, group)
+        scales = head.scale[panel, :, column].float()
+        return (codes.float() * scales[..., None]).view(*ids.shape, k).to(dtype)
+
+    return forward

@@ -46,7 +46,7 @@ class LLMEngine:
         self.device = self.config.torch_device()
         self.dtype = self.config.torch_dtype(self.device)
         self.model, self.tokenizer = hook.pagedcore_load_model(config=self.config)
-        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = self.model.get_output_embeddings().out_features  # quantized heads keep no .weight
         self.executor = None  # tensor parallelism (pagedcore/distributed/): rank 0's side
         if self.config.tensor_parallel_size > 1:
             from pagedcore.distributed.executor import TPExecutor

@@ -47,8 +47,10 @@ def tokenizer_fields():
     return [(name, value, types) for name, (value, types) in fields.items()]
 
 
-def write_gguf(path, tokenizer_fields, types: dict[str, "gguf.GGMLQuantizationType"], arch="llama"):
-    """A tiny random Llama as llama.cpp's converter writes it; `types`: GGUF linear name -> its type."""
+def write_gguf(path, tokenizer_fields, types: dict[str, "gguf.GGMLQuantizationType"], arch="llama",
+               tied_embd=None):
+    """A tiny random Llama as llama.cpp's converter writes it; `types`: GGUF linear name -> its type.
+    `tied_embd`: a type for token_embd, written without output.weight (a tied head, as the bundled file)."""
     model = tiny_llama(vocab_size=VOCAB)
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
@@ -66,9 +68,13 @@ def write_gguf(path, tokenizer_fields, types: dict[str, "gguf.GGMLQuantizationTy
         w.add_key_value(name, value, vtypes[0], sub_type=vtypes[-1] if len(vtypes) > 1 else None)
     sd = {k: v.numpy() for k, v in model.state_dict().items()}
     quantized = {}  # tensor name -> (type, the bytes written): what the reference de-quantizes
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    if tied_embd is None:
+        w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+        w.add_tensor("output.weight", sd["lm_head.weight"])
+    else:
+        quantized["token_embd.weight"] = tied_embd, gguf.quants.quantize(sd["model.embed_tokens.weight"], tied_embd)
+        w.add_tensor("token_embd.weight", quantized["token_embd.weight"][1], raw_dtype=tied_embd)
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
-    w.add_tensor("output.weight", sd["lm_head.weight"])
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         w.add_tensor(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
@@ -100,6 +106,8 @@ def gguf_files(tmp_path_factory, tokenizer_fields):
     files["mixed"] = write_gguf(d / "tiny-mixed.gguf", tokenizer_fields, {
         "attn_q": T.Q4_0, "attn_k": T.Q4_1, "attn_v": T.Q8_0, "attn_output": T.Q5_0, "ffn_gate": T.Q4_1,
         "ffn_up": T.Q4_0, "ffn_down": T.Q8_0})
+    files["tied-q8_0"] = write_gguf(d / "tiny-tied.gguf", tokenizer_fields, dict.fromkeys(GGUF_LINEARS.values(), T.Q4_1),
+                                    tied_embd=T.Q8_0)
     yield files
     for path, _ in files.values():
         shutil.rmtree(resolve_model_dir(str(path)), ignore_errors=True)
@@ -209,6 +217,7 @@ def test_bundled_q4_1_model_native_matches_dequantized(chat_prompt_ids, monkeypa
     ours, _ = load_model_and_tokenizer(None, torch.float32, CPU, quantization="gguf")
     ref, _ = load_model_and_tokenizer(None, torch.float32, CPU)
     assert sum(isinstance(m, Int4Linear) for m in ours.modules()) == 210
+    assert isinstance(ours.lm_head, Int8Linear)  # the tied Q8_0 token_embd, kept as the file has it
     assert (resolve_model_dir(None) / gguf_native.CACHE_NAME).is_file()
     ids = torch.tensor([chat_prompt_ids[0]])
     with torch.no_grad():
@@ -243,3 +252,26 @@ def test_decode_stack_runs_the_files_blocks(gguf_files, qtype):
                         for o in outs])
         assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
     assert results[0] == results[1]
+
+
+def test_tied_q8_0_embedding_stays_q8_0_as_head_and_embedding(gguf_files, exact_activations):
+    """A tied token_embd in Q8_0 (as the bundled file): the LM head runs the file's blocks, the embedding
+    reads its rows from them (one copy); both equal gguf's de-quantization, and greedy equals transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    path, written = gguf_files["tied-q8_0"]
+    ours, _ = load_model_and_tokenizer(str(path), torch.float32, CPU, quantization="gguf")
+    assert isinstance(ours.lm_head, Int8Linear) and ours.get_input_embeddings().weight.numel() == 0
+    t, data = written["token_embd.weight"]
+    w = torch.from_numpy(gguf.quants.dequantize(data, t))
+    ids = torch.tensor([[0, 17, 255, VOCAB - 1], [5, 16, 31, 1024]])
+    torch.testing.assert_close(ours.get_input_embeddings()(ids), w[ids], atol=0, rtol=0)
+    head = ours.lm_head(torch.eye(w.shape[1])).t()  # column j of the head's weight
+    torch.testing.assert_close(head, w, atol=1e-6, rtol=1e-5)
+    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    assert ref.config.tie_word_embeddings
+    llm = LLM(str(path), quantization="gguf", num_kv_blocks=64, block_size=8)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(PROMPTS, outs):
+        assert o.outputs[0].token_ids == hf_greedy(ref, p, 12)[0]
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
