@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedcore import fused_projections, lean_layers, quantization
+from pagedcore import fused_projections, lean_layers, onednn_linear, quantization
 from pagedcore.kernels import cpu_ext, kv_quant
 from pagedcore.kernels.cpu_attention import ExtDecodePlan, _ext_plan
 from pagedcore.quantization import Int4Linear, Int8Linear
@@ -65,6 +65,9 @@ class DecodeStack:
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         for layer, (k_cache, v_cache) in zip(self.base.layers, kv_caches):
             self._add_layer(layer, k_cache, v_cache)
+        # From this many rows the layers' matmuls run oneDNN (onednn_linear.py), faster than the stack's panels.
+        onednn = any(getattr(i.module, "_pagedcore_onednn", None) is not None for i in self.installed)
+        self.max_rows = onednn_linear.ROWS - 1 if onednn and onednn_linear.ROWS is not None else None
 
     @classmethod
     def build(cls, model: nn.Module, kv_caches: list, backend, device: torch.device) -> "DecodeStack | None":
@@ -100,6 +103,8 @@ class DecodeStack:
         if md is None or ctx.lora_mapping is not None or ctx.kv_caches is not self.kv_caches:
             return None
         qsl = md.query_start_loc_cpu
+        if self.max_rows is not None and num_tokens > self.max_rows:
+            return None
         if not 0 < len(qsl) - 1 == qsl[-1] == num_tokens or not self._intact():
             return None
         return _ext_plan(md, ctx.metadata.decode_plans)

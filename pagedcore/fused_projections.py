@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedcore import installs, packed_linear, quantization
+from pagedcore import installs, onednn_linear, packed_linear, quantization
 from pagedcore.kernels import cpu_ext
 from pagedcore.quantization import Int4Linear, Int8Linear
 
@@ -41,9 +41,15 @@ class FusedProjection:
     # group_size, int8_rows, zero_point), int8_rows -1 for int4 weights that quantize activations at decode
     spec: tuple = ()
     forwards: tuple = ()  # each member's instance forward when fused (None: its class's)
+    onednn: bool = False  # the members run oneDNN from onednn_linear.ROWS rows: alone, not fused there
 
     def __post_init__(self):
         self.forwards = tuple(m.__dict__.get("forward") for m in self.members)
+
+    def fuses(self, rows: int) -> bool:
+        """Whether a call of `rows` rows runs fused (else each member alone)."""
+        return rows <= FUSED_ROWS and not (self.onednn and onednn_linear.ROWS is not None
+                                           and rows >= onednn_linear.ROWS)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.run(x).split(self.widths, dim=-1)
@@ -106,7 +112,8 @@ def _fuse_packed(ext, members: list[nn.Linear], widths: tuple[int, ...]) -> Fuse
     _share_panels(packed, members, widths, lambda m, view: setattr(m, "_pagedcore_packed", view))
     total = sum(widths)
     return FusedProjection(tuple(members), widths, lambda x: ext.packed_linear(x, packed, total, bias),
-                           (packed, None, bias, total, 0, 0, False))
+                           (packed, None, bias, total, 0, 0, False),
+                           onednn=all(getattr(m, "_pagedcore_onednn", None) is not None for m in members))
 
 
 def _fuse_int4(ext, members: list[Int4Linear], widths: tuple[int, ...]) -> FusedProjection | None:

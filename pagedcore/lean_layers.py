@@ -76,8 +76,8 @@ def _lean_forward(ext, layer, sliding_window: int | None):
         cos, sin = position_embeddings
         T = hidden_states.shape[1]
         h = ext.rms_norm(hidden_states, in_norm.weight, in_norm.variance_epsilon)
-        few = T <= fused_projections.FUSED_ROWS
-        qkv = fused_projections.get(attn, qkv_names) if few else None
+        qkv = fused_projections.get(attn, qkv_names)
+        qkv = qkv if qkv is not None and qkv.fuses(T) else None
         q, k, v = qkv(h) if qkv is not None else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))
         q, k, v = q.view(T, -1, head_dim), k.view(T, -1, head_dim), v.view(T, -1, head_dim)
         ext.rotary_embedding_(q, k, cos.view(T, head_dim), sin.view(T, head_dim))
@@ -85,7 +85,8 @@ def _lean_forward(ext, layer, sliding_window: int | None):
         o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.metadata, scale=scale, sliding_window=sliding_window)
         o = attn.o_proj(o.reshape(1, T, -1))
         hidden_states, h = ext.add_rms_norm(hidden_states, o, post_norm.weight, post_norm.variance_epsilon)
-        gate_up = fused_projections.get(mlp, gate_up_names) if few else None
+        gate_up = fused_projections.get(mlp, gate_up_names)
+        gate_up = gate_up if gate_up is not None and gate_up.fuses(T) else None
         gate, up = gate_up(h) if gate_up is not None else (mlp.gate_proj(h), mlp.up_proj(h))
         return hidden_states + mlp.down_proj(ext.silu_and_mul(gate, up))
 

@@ -9,7 +9,8 @@ Results equal `F.linear`'s up to the order of the fp32 sums.
 Any HF decoder: the Linear modules themselves are patched (their `forward`), so transformers'
 layers, the lean layers and plugins all run through it without per-model code. The original
 weight stays on the module (tied embeddings, state dicts, `restore`). int4 linears keep their own
-pre-packed kernel. A tracked model records the undo (installs.py).
+pre-packed kernel. A tracked model records the undo (installs.py). On CPUs with AMX tiles, bf16 linears
+past a few rows run oneDNN's pre-packed matmul instead (onednn_linear.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedcore import installs
+from pagedcore import installs, onednn_linear
 from pagedcore.kernels import cpu_ext
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -79,6 +80,7 @@ def restore(model: nn.Module) -> int:
     for module in model.modules():
         if hasattr(module, "_pagedcore_packed"):
             del module._pagedcore_packed
+            module.__dict__.pop("_pagedcore_onednn", None)
             module.__dict__.pop("forward", None)
             count += 1
     return count
@@ -90,6 +92,7 @@ def _patch(ext, module: nn.Linear) -> installs.Undo:
     bias = None if module.bias is None else module.bias.detach()
     original = type(module).forward
     module._pagedcore_packed = packed
+    onednn = module._pagedcore_onednn = onednn_linear.prepack(module.weight)
 
     dtype = packed.dtype  # not the tensor itself: the closure must not keep a replaced weight alive
 
@@ -99,6 +102,8 @@ def _patch(ext, module: nn.Linear) -> installs.Undo:
                 raise RuntimeError(f"this linear keeps only its packed {dtype} CPU weight (release_dense): "
                                    f"input {x.dtype} on {x.device}, requires_grad={x.requires_grad}")
             return original(module, x)
+        if onednn_linear.runs(x, onednn):
+            return onednn_linear.linear(x, onednn, bias)
         # Looked up per call: fused_projections.py may re-point it at a slice of a fused weight.
         return ext.packed_linear(x, module._pagedcore_packed, out_features, bias)
 
@@ -106,6 +111,7 @@ def _patch(ext, module: nn.Linear) -> installs.Undo:
 
     def undo() -> None:  # idempotent: `restore` may have run first
         module.__dict__.pop("_pagedcore_packed", None)
+        module.__dict__.pop("_pagedcore_onednn", None)
         undo_forward()
 
     return undo

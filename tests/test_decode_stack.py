@@ -13,6 +13,15 @@ PROMPTS = [list(range(100 + 3 * i, 121 + 11 * i)) for i in range(6)]  # 21..76 t
 GREEDY = SamplingParams(temperature=0, max_tokens=20, logprobs=2, ignore_eos=True)
 
 
+@pytest.fixture(autouse=True)
+def panels_only(monkeypatch):
+    """The stack against the same panels layer by layer, at every batch size: oneDNN (AMX CPUs) off, which
+    would take batches of onednn_linear.ROWS rows and more from both (test_onednn_linear.py)."""
+    from pagedcore import onednn_linear
+
+    monkeypatch.setattr(onednn_linear, "ROWS", None)
+
+
 @pytest.fixture
 def stack_steps(monkeypatch):
     """One entry per step the stack was asked to run: whether it returned logits."""

@@ -251,9 +251,13 @@ def tied_model_dir(tmp_path_factory, smollm2_tokenizer):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_released_dense_weights_same_tokens_half_the_bytes(ext, tied_model_dir, dtype):
-    """An engine's own model keeps only the packed copies; the tied embedding reads the packed head."""
+def test_released_dense_weights_same_tokens_half_the_bytes(ext, tied_model_dir, dtype, monkeypatch):
+    """An engine's own model keeps only the packed copies; the tied embedding reads the packed head. (oneDNN's
+    second bf16 copy on AMX CPUs is off here: test_onednn_linear.py counts it.)"""
+    from pagedcore import onednn_linear
     from pagedcore.bench import memory
+
+    monkeypatch.setattr(onednn_linear, "ROWS", None)
 
     prompts = [[5 + i for i in range(n)] for n in (3, 20, 41)]
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=2)

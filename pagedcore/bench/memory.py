@@ -214,7 +214,7 @@ class WeightBytes:
 
 def weight_bytes(source: str, model) -> WeightBytes:
     """Every parameter and buffer of the model, each storage counted once, plus the packed copies the
-    CPU path keeps beside dense linears (packed_linear.py): what the weights hold in memory."""
+    CPU path keeps beside dense linears (packed_linear.py, onednn_linear.py): what the weights hold in memory."""
     from torch import nn
 
     from pagedcore.quantization import Int4Linear, Int8Linear
@@ -236,6 +236,8 @@ def weight_bytes(source: str, model) -> WeightBytes:
             kind = "linear" if quantized or isinstance(module, nn.Linear) else "other"
             counts[kind] += storage.nbytes()
             counts["quantized"] += storage.nbytes() if quantized else 0
+        onednn = getattr(module, "_pagedcore_onednn", None)  # opaque (no storage): its elements' bytes
+        counts["linear"] += onednn.numel() * onednn.element_size() if onednn is not None else 0
     return WeightBytes(source, counts["linear"], counts["other"], counts["quantized"], num_quantized)
 
 

@@ -1,0 +1,55 @@
+"""bf16 linears past a few rows through oneDNN's pre-packed matmul, on CPUs with AMX tiles.
+
+The panels of packed_linear.py widen bf16 to fp32 and multiply with FMA (~0.2 TFLOP/s on 2 cores). A CPU
+with AMX (Intel Sapphire Rapids and later) multiplies bf16 in tiles: oneDNN reached 2-3 TFLOP/s on 2 cores
+where the panels reached 0.2, so past a few rows they lose 5-10x (`pagedcore bench linears`). At one
+row a step only streams the weight and the panels (and the decode stack built on them) stay.
+
+The weight is reordered once at load into oneDNN's blocked layout (an opaque tensor; what inductor's CPU
+freezing does), beside the panels: bf16 weights are resident twice on such CPUs, the price of both paths.
+Results equal the panels' up to the order of the fp32 sums (both accumulate in fp32, round once).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Rows from which a bf16 linear runs oneDNN (None: never). `PAGEDCORE_ONEDNN`: "auto" (AMX CPUs, from
+# MIN_ROWS rows), "off", or a row count (any CPU: oneDNN runs without AMX too, slower; the tests use it).
+MIN_ROWS = 4
+
+
+def _rows_from(setting: str) -> int | None:
+    if setting == "off":
+        return None
+    if setting == "auto":
+        return MIN_ROWS if _has_amx() else None
+    if setting.isdigit() and int(setting) > 0:
+        return int(setting)
+    raise ValueError(f"PAGEDCORE_ONEDNN={setting!r}; supported: auto, off, or a row count >= 1")
+
+
+def _has_amx() -> bool:
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(check and check()) and torch.backends.mkldnn.is_available()
+
+
+ROWS = _rows_from(os.environ.get("PAGEDCORE_ONEDNN", "auto"))
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight in oneDNN's layout, or None where oneDNN is not used for it."""
+    if ROWS is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
+
+
+def runs(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
+    """Whether `x` goes through oneDNN: a pre-packed weight and at least ROWS rows."""
+    return packed is not None and ROWS is not None and x.numel() >= ROWS * x.shape[-1]
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
