@@ -41,15 +41,21 @@ class FusedProjection:
     # group_size, int8_rows, zero_point), int8_rows -1 for int4 weights that quantize activations at decode
     spec: tuple = ()
     forwards: tuple = ()  # each member's instance forward when fused (None: its class's)
-    onednn: bool = False  # the members run oneDNN from onednn_linear.ROWS rows: alone, not fused there
+    # The concatenated weight in oneDNN's layout (onednn_linear.py, AMX CPUs): runs from onednn_linear.ROWS rows,
+    # in place of the members' own copies (dropped: resident once more, not twice)
+    onednn_weight: torch.Tensor | None = None
 
     def __post_init__(self):
         self.forwards = tuple(m.__dict__.get("forward") for m in self.members)
 
+    @property
+    def onednn(self) -> bool:
+        return self.onednn_weight is not None
+
     def fuses(self, rows: int) -> bool:
-        """Whether a call of `rows` rows runs fused (else each member alone)."""
-        return rows <= FUSED_ROWS and not (self.onednn and onednn_linear.ROWS is not None
-                                           and rows >= onednn_linear.ROWS)
+        """Whether a call of `rows` rows runs fused (else each member alone): a few rows on the panels, where
+        a call's fixed cost counts; any number through oneDNN (3 calls of q/k/v measured ~15% slower there)."""
+        return rows <= FUSED_ROWS or (self.onednn and onednn_linear.ROWS is not None and rows >= onednn_linear.ROWS)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.run(x).split(self.widths, dim=-1)
@@ -111,9 +117,19 @@ def _fuse_packed(ext, members: list[nn.Linear], widths: tuple[int, ...]) -> Fuse
     bias = _cat_bias(members, widths)
     _share_panels(packed, members, widths, lambda m, view: setattr(m, "_pagedcore_packed", view))
     total = sum(widths)
-    return FusedProjection(tuple(members), widths, lambda x: ext.packed_linear(x, packed, total, bias),
-                           (packed, None, bias, total, 0, 0, False),
-                           onednn=all(getattr(m, "_pagedcore_onednn", None) is not None for m in members))
+    onednn = None
+    if all(getattr(m, "_pagedcore_onednn", None) is not None for m in members):
+        onednn = onednn_linear.prepack(torch.cat([m.weight.detach() for m in members]))
+        for m in members:
+            m._pagedcore_onednn = None
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if onednn_linear.runs(x, onednn):
+            return onednn_linear.linear(x, onednn, bias)
+        return ext.packed_linear(x, packed, total, bias)
+
+    return FusedProjection(tuple(members), widths, run, (packed, None, bias, total, 0, 0, False),
+                           onednn_weight=onednn)
 
 
 def _fuse_int4(ext, members: list[Int4Linear], widths: tuple[int, ...]) -> FusedProjection | None:

@@ -92,7 +92,7 @@ def _patch(ext, module: nn.Linear) -> installs.Undo:
     bias = None if module.bias is None else module.bias.detach()
     original = type(module).forward
     module._pagedcore_packed = packed
-    onednn = module._pagedcore_onednn = onednn_linear.prepack(module.weight)
+    module._pagedcore_onednn = onednn_linear.prepack(module.weight)
 
     dtype = packed.dtype  # not the tensor itself: the closure must not keep a replaced weight alive
 
@@ -102,9 +102,11 @@ def _patch(ext, module: nn.Linear) -> installs.Undo:
                 raise RuntimeError(f"this linear keeps only its packed {dtype} CPU weight (release_dense): "
                                    f"input {x.dtype} on {x.device}, requires_grad={x.requires_grad}")
             return original(module, x)
+        # Both looked up per call: fused_projections.py may re-point the panels at a slice of a fused weight,
+        # and drop the oneDNN copy for the fused one.
+        onednn = module._pagedcore_onednn
         if onednn_linear.runs(x, onednn):
             return onednn_linear.linear(x, onednn, bias)
-        # Looked up per call: fused_projections.py may re-point it at a slice of a fused weight.
         return ext.packed_linear(x, module._pagedcore_packed, out_features, bias)
 
     undo_forward = installs.set_forward(module, forward)

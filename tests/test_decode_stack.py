@@ -69,6 +69,17 @@ def test_stack_tokens_and_logprobs_equal_layered(tiny_model_dir, stack_steps, ar
     _compare(tiny_model_dir(arch), stack_steps, dtype=dtype)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_stack_over_onednn_equals_layered(tiny_model_dir, stack_steps, monkeypatch, arch):
+    """From onednn_linear.ROWS rows (AMX CPUs; forced here on any CPU) the stack runs every linear through oneDNN
+    between its parallel regions, the layers through the same oneDNN weights: equal bit for bit."""
+    from pagedcore import onednn_linear
+
+    monkeypatch.setattr(onednn_linear, "ROWS", 3)
+    got = _compare(tiny_model_dir(arch), stack_steps, dtype="bfloat16")
+    assert len(got) == len(PROMPTS)
+
+
 def test_stack_int4_equals_layered(tiny_model_dir, stack_steps):
     _compare(tiny_model_dir("llama"), stack_steps, dtype="bfloat16", quantization="int4")
 
@@ -147,10 +158,14 @@ def test_stack_rejects_what_it_cannot_run(ext):
     hidden, cs = torch.randn(1, 32), torch.ones(1, 16)
     table, lens = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="out of range"):
-        stack.forward(hidden, cs, cs, torch.tensor([64]), torch.tensor([0]), table, lens, 0)
+        stack.forward(hidden, cs, cs, torch.tensor([64]), torch.tensor([0]), table, lens, 0, 0)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        stack.forward(hidden.double(), cs, cs, torch.tensor([0]), torch.tensor([0]), table, lens, 0)
-    out = stack.forward(hidden, cs, cs, torch.tensor([0]), torch.tensor([0]), table, lens, 0)
+        stack.forward(hidden.double(), cs, cs, torch.tensor([0]), torch.tensor([0]), table, lens, 0, 0)
+    with pytest.raises(RuntimeError, match="without oneDNN weights"):  # oneDNN from 1 row, none added
+        stack.forward(hidden, cs, cs, torch.tensor([0]), torch.tensor([0]), table, lens, 0, 1)
+    with pytest.raises(RuntimeError, match="oneDNN's layout"):
+        stack.add_onednn(0, tuple((torch.randn(32, 32), None) for _ in range(4)))
+    out = stack.forward(hidden, cs, cs, torch.tensor([0]), torch.tensor([0]), table, lens, 0, 0)
     assert out.shape == (1, 32) and torch.isfinite(out).all()
 
 

@@ -129,7 +129,11 @@ def test_restore_takes_fusing_off(ext):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_tokens_equal_with_and_without_fusing(ext, monkeypatch, tiny_model_dir, dtype):
-    """Decode steps (<= FUSED_ROWS rows) take the fused path; with it off, the same tokens and logprobs."""
+    """Decode steps (<= FUSED_ROWS rows) take the fused path; with it off, the same tokens and logprobs. (Panels
+    only: through oneDNN, on AMX CPUs, prefill runs fused too - test_onednn_linear.py.)"""
+    from pagedcore import onednn_linear
+
+    monkeypatch.setattr(onednn_linear, "ROWS", None)
     prompts = [[5 + i for i in range(n)] for n in (3, 20, 41)]
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=2)
     runs, calls = {}, []

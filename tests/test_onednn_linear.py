@@ -69,9 +69,9 @@ def test_bad_setting_is_a_clear_error(setting):
         onednn_linear._rows_from(setting)
 
 
-def test_engine_same_tokens_stack_and_fusion_give_way(ext, tiny_model_dir, onednn_from):
+def test_engine_same_tokens_as_the_panels(ext, tiny_model_dir, onednn_from):
     """bf16 engine: oneDNN from 3 rows against the panels everywhere - the same greedy tokens and logprobs to
-    bf16's tolerance over prefill, batch 1-2 (decode stack, fused q/k/v) and batch 5 (oneDNN, layer by layer)."""
+    bf16's tolerance over prefill, batch 1-2 (the stack on panels) and batch 5 (the stack over oneDNN)."""
     prompts = [[5 + i for i in range(n)] for n in (3, 20, 41, 9, 14)]
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=2)
     runs = {}
@@ -81,8 +81,11 @@ def test_engine_same_tokens_stack_and_fusion_give_way(ext, tiny_model_dir, onedn
         runner = llm.engine.runner
         fused = fused_projections.installed(llm.engine.model)
         assert fused and all(f.onednn == (rows is not None) for f in fused)
-        assert all(f.fuses(2) and f.fuses(3) == (rows is None) for f in fused)
-        assert runner.decode_stack is not None and runner.decode_stack.max_rows == (None if rows is None else 2)
+        assert all(f.fuses(2) and f.fuses(64) == (rows is not None) for f in fused)
+        # the fused copy replaces the members' own
+        assert all(m._pagedcore_onednn is None for f in fused for m in f.members) or rows is None
+        # the stack runs oneDNN's linears itself from `rows` rows (test_decode_stack.py: bit for bit)
+        assert runner.decode_stack is not None and runner.decode_stack.onednn_rows == (rows or 0)
         runs[rows] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         runs[rows] += [o.outputs[0] for o in llm.generate(prompts[:2], params, use_tqdm=False)]
         runs[rows] += [o.outputs[0] for o in llm.generate(prompts[:1], params, use_tqdm=False)]
@@ -90,6 +93,28 @@ def test_engine_same_tokens_stack_and_fusion_give_way(ext, tiny_model_dir, onedn
         assert a.token_ids == b.token_ids
         for tok, sa, sb in zip(a.token_ids, a.logprobs, b.logprobs):
             assert abs(sa[tok].logprob - sb[tok].logprob) < 0.1
+
+
+def test_fused_projection_through_onednn(ext, onednn_from):
+    """q/k/v fused: from ROWS rows one oneDNN call over the concatenated weight, each member's slice the
+    fp32 product rounded once, as the member's own linear gives it on the panels."""
+    onednn_from(4)
+    torch.manual_seed(0)
+    attn = torch.nn.Module()
+    attn.q_proj, attn.k_proj, attn.v_proj = (torch.nn.Linear(64, n, bias=True, dtype=torch.bfloat16)
+                                             for n in (96, 32, 32))
+    layer = torch.nn.Module()
+    layer.self_attn = attn
+    packed_linear.install(layer, torch.device("cpu"))
+    assert fused_projections.install(layer, torch.device("cpu")) == 1
+    fused = fused_projections.get(attn, ("q_proj", "k_proj", "v_proj"))
+    assert fused.onednn and fused.fuses(40)
+    x = torch.randn(40, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got = fused(x)
+    for out, m in zip(got, fused.members):
+        want = x.double() @ m.weight.double().T + m.bias.double()
+        assert (out.double() - want).abs().max() <= want.abs().max() * 2 ** -8
 
 
 def test_weight_bytes_count_the_onednn_copy(ext, tiny_model_dir, onednn_from):

@@ -11,6 +11,7 @@
 #include "ops.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -34,12 +35,29 @@ struct StackLinear {
   std::vector<torch::Tensor> keep;  // the tensors w points into
 };
 
+// A linear in oneDNN's pre-packed layout (pagedcore/onednn_linear.py: bf16 on AMX CPUs), run through torch's
+// mkldnn::_linear_pointwise op, which parallelises by itself: outside the stack's parallel regions.
+struct OnednnLinear {
+  torch::Tensor w;
+  c10::optional<torch::Tensor> bias;
+};
+
 struct StackLayer {
   torch::Tensor in_norm, post_norm, k_cache, v_cache;
   float in_eps, post_eps, scale;
   int64_t window;
   StackLinear qkv, o, gate_up, down;
+  std::vector<OnednnLinear> onednn;  // qkv, o, gate_up, down; empty: panels only
 };
+
+// y = x W^T + b through oneDNN, written into y (a buffer the stack's other phases point into).
+void onednn_linear_into(const OnednnLinear& l, const torch::Tensor& x, torch::Tensor& y) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, l.w, l.bias.has_value() ? c10::IValue(*l.bias) : c10::IValue(), std::string("none"),
+                          c10::List<std::optional<at::Scalar>>(), c10::IValue()};
+  op.callBoxed(&stack);
+  y.copy_(stack[0].toTensor());
+}
 
 // [begin, end) of `count` items for thread `tid` of `nth`, contiguous, in units of `unit`.
 inline std::pair<int64_t, int64_t> share(int64_t count, int64_t tid, int64_t nth, int64_t unit = 1) {
@@ -113,12 +131,31 @@ class DecodeStack {
     layers_.push_back(std::move(l));
   }
 
+  // A layer's four linears in oneDNN's layout, as ((weight, bias or None) x 4: qkv, o, gate_up, down), for steps
+  // of onednn_rows rows and more (forward's argument); in the order the layers were added.
+  void add_onednn(int64_t layer, py::tuple linears) {
+    TORCH_CHECK(layer >= 0 && layer < int64_t(layers_.size()) && linears.size() == 4, "add_onednn(layer, 4 linears)");
+    std::vector<OnednnLinear> all;
+    for (const auto& item : linears) {
+      auto pair = item.cast<py::tuple>();
+      TORCH_CHECK(pair.size() == 2, "(weight, bias or None)");
+      OnednnLinear l{pair[0].cast<torch::Tensor>(), {}};
+      TORCH_CHECK(l.w.is_mkldnn(), "a weight in oneDNN's layout (torch.ops.mkldnn._reorder_linear_weight)");
+      if (!pair[1].is_none()) l.bias = pair[1].cast<torch::Tensor>();
+      all.push_back(std::move(l));
+    }
+    layers_[layer].onednn = std::move(all);
+  }
+
   // hidden [T, H] (the embeddings); cos, sin [T, D]; slot_mapping int64 [T]; block_table int32 [T, max_blocks],
   // seq_lens int32 [T]: every row is one decode query (row t of sequence t). int8_rows: for int4 linears
   // added with int8_rows -1, up to how many rows their activations are quantized to int8 this step.
   // Returns the residual stream after the last layer (before the final norm).
+  // With onednn_rows > 0, a step of that many rows or more runs every layer's linears through oneDNN (they must
+  // all have been added) and the rest in parallel regions between them.
   torch::Tensor forward(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
-                        torch::Tensor rows, torch::Tensor block_table, torch::Tensor seq_lens, int64_t int8_rows) {
+                        torch::Tensor rows, torch::Tensor block_table, torch::Tensor seq_lens, int64_t int8_rows,
+                        int64_t onednn_rows) {
     TORCH_CHECK(!layers_.empty(), "no layers");
     const auto dtype = hidden.scalar_type();
     const int64_t T = hidden.size(0);
@@ -163,6 +200,12 @@ class DecodeStack {
     gemm_input_resize(weights[0].gate_up, T, in_gu);
     gemm_input_resize(weights[0].down, T, in_down);
     Inputs in{in_qkv, in_o, in_gu, in_down};
+    if (onednn_rows > 0 && T >= onednn_rows) {
+      for (const auto& l : layers_) TORCH_CHECK(l.onednn.size() == 4, "a layer without oneDNN weights");
+      TORCH_CHECK(dtype == at::kBFloat16, "oneDNN linears: bfloat16");
+      run_onednn<c10::BFloat16>(b, attention, cos, sin, slots, T, nth);
+      return b.residual;
+    }
     if (dtype == at::kFloat)
       run<float>(b, in, weights, attention, cos, sin, slots, T, nth);
     else
@@ -295,6 +338,67 @@ class DecodeStack {
     }
   }
 
+  // The same phases as `run`, each matmul through oneDNN between parallel regions (oneDNN runs its own).
+  template <typename X>
+  void run_onednn(Buffers& b, std::vector<DecodeAttention>& attention, const torch::Tensor& cos_t,
+                  const torch::Tensor& sin_t, const int64_t* slots, int64_t T, int64_t nth) {
+    X *res = b.residual.data_ptr<X>(), *h = b.normed.data_ptr<X>(), *qkv = b.qkv.data_ptr<X>();
+    X *o = b.o.data_ptr<X>(), *gu = b.gate_up.data_ptr<X>(), *act = b.act.data_ptr<X>(), *down = b.down.data_ptr<X>();
+    const X *cos = cos_t.data_ptr<X>(), *sin = sin_t.data_ptr<X>();
+    const int64_t H = H_, d = d_, q_width = hq_ * d_, kv_width = hkv_ * d_, W = q_width + 2 * kv_width, I = I_;
+    const int64_t row_bytes = kv_width * int64_t(sizeof(X));
+    for (size_t li = 0; li < layers_.size(); ++li) {
+      const StackLayer& l = layers_[li];
+      const X *in_w = l.in_norm.data_ptr<X>(), *post_w = l.post_norm.data_ptr<X>();
+#pragma omp parallel num_threads(nth)
+      {
+        const auto [r0, r1] = share(T, omp_get_thread_num(), omp_get_num_threads());
+        for (int64_t t = r0; t < r1; ++t) {
+          if (li == 0)
+            rms_norm_row(res + t * H, in_w, h + t * H, H, l.in_eps);
+          else
+            add_rms_norm_row(res + t * H, down + t * H, in_w, res + t * H, h + t * H, H, l.in_eps);
+        }
+      }
+      onednn_linear_into(l.onednn[0], b.normed, b.qkv);
+      DecodeAttention& a = attention[li];
+#pragma omp parallel num_threads(nth)
+      {
+        const int64_t tid = omp_get_thread_num(), n = omp_get_num_threads();
+        const auto [r0, r1] = share(T, tid, n);
+        for (int64_t t = r0; t < r1; ++t) {
+          X* row = qkv + t * W;
+          rope_token(row, hq_, d, d, cos + t * d, sin + t * d);
+          rope_token(row + q_width, hkv_, d, d, cos + t * d, sin + t * d);
+          std::memcpy(static_cast<char*>(l.k_cache.data_ptr()) + slots[t] * row_bytes, row + q_width, row_bytes);
+          std::memcpy(static_cast<char*>(l.v_cache.data_ptr()) + slots[t] * row_bytes, row + q_width + kv_width,
+                      row_bytes);
+        }
+#pragma omp barrier
+        const auto [i0, i1] = share(int64_t(a.items.size()), tid, n);
+        if (i0 < i1) a.run(i0, i1);
+#pragma omp barrier
+        if (a.has_split && tid == 0) a.combine();
+      }
+      onednn_linear_into(l.onednn[1], b.attn, b.o);
+#pragma omp parallel num_threads(nth)
+      {
+        const auto [r0, r1] = share(T, omp_get_thread_num(), omp_get_num_threads());
+        for (int64_t t = r0; t < r1; ++t) add_rms_norm_row(res + t * H, o + t * H, post_w, res + t * H, h + t * H, H, l.post_eps);
+      }
+      onednn_linear_into(l.onednn[2], b.normed, b.gate_up);
+#pragma omp parallel num_threads(nth)
+      {
+        const auto [r0, r1] = share(T, omp_get_thread_num(), omp_get_num_threads());
+        for (int64_t t = r0; t < r1; ++t) silu_and_mul_row(gu + t * 2 * I, gu + t * 2 * I + I, act + t * I, I);
+      }
+      onednn_linear_into(l.onednn[3], b.act, b.down);
+    }
+    for (int64_t t = 0; t < T; ++t)  // the last layer's residual add
+      for (int64_t j = 0; j < H; ++j)
+        res[t * H + j] = static_cast<X>(static_cast<float>(res[t * H + j]) + static_cast<float>(down[t * H + j]));
+  }
+
   int64_t H_, hq_, hkv_, d_, I_;
   std::vector<StackLayer> layers_;
 };
@@ -307,6 +411,7 @@ void bind_decode_stack(py::module& m) {
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t>(), py::arg("hidden"), py::arg("heads"),
            py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"))
       .def("add_layer", &DecodeStack::add_layer)
+      .def("add_onednn", &DecodeStack::add_onednn)
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_layers", &DecodeStack::num_layers);
 }

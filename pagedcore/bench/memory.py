@@ -217,6 +217,7 @@ def weight_bytes(source: str, model) -> WeightBytes:
     CPU path keeps beside dense linears (packed_linear.py, onednn_linear.py): what the weights hold in memory."""
     from torch import nn
 
+    from pagedcore import fused_projections
     from pagedcore.quantization import Int4Linear, Int8Linear
 
     seen: set[int] = set()
@@ -238,6 +239,9 @@ def weight_bytes(source: str, model) -> WeightBytes:
             counts["quantized"] += storage.nbytes() if quantized else 0
         onednn = getattr(module, "_pagedcore_onednn", None)  # opaque (no storage): its elements' bytes
         counts["linear"] += onednn.numel() * onednn.element_size() if onednn is not None else 0
+    for fused in fused_projections.installed(model):
+        w = fused.onednn_weight
+        counts["linear"] += w.numel() * w.element_size() if w is not None else 0
     return WeightBytes(source, counts["linear"], counts["other"], counts["quantized"], num_quantized)
 
 
