@@ -103,3 +103,17 @@ def achieved(model, input_tokens: int, output_tokens: int, seconds: float) -> tu
     per_token, head = model_flops(model)
     total = per_token * (input_tokens + output_tokens) + head * output_tokens
     return total / 1e9, total / seconds / 1e12
+
+
+def workload_seconds(model, input_tokens: int, out_lens: list[int], max_num_seqs: int, tflops: float,
+                     read_gbs: float) -> dict:
+    """The run's roofline: no engine finishes faster than its FLOPs at the matmul peak, nor than its forward
+    passes each reading every weight once at the read bandwidth. A request's output tokens take one pass each,
+    so there are at least max(longest output, outputs / max_num_seqs) passes (KV reads would add more: this is
+    a lower bound). Compute-bound machines get the matmul term; AMX ones, where bf16 matmul outruns memory,
+    the read term."""
+    gflop, _ = achieved(model, input_tokens, sum(out_lens), 1.0)
+    passes = max(max(out_lens), -(-sum(out_lens) // max_num_seqs))
+    compute_s = gflop / (tflops * 1e3)
+    memory_s = passes * weight_bytes(model) / (read_gbs * 1e9)
+    return {"compute_s": compute_s, "memory_s": memory_s, "min_passes": passes, "roofline_s": max(compute_s, memory_s)}
