@@ -28,7 +28,10 @@ SUPPORTED = "GGUF llama-architecture models; linears in Q4_0, Q4_1 or Q8_0 are k
 BLOCK = 32
 KEPT = ("Q4_0", "Q4_1", "Q8_0")
 ARCH = "general.architecture"
-CACHE_NAME = "gguf-quantized-linears.safetensors"
+# In a subfolder: other engines given the converted directory (vLLM, the bench's peers) load every top-level
+# *.safetensors as model weights.
+CACHE_NAME = "pagedcore-gguf/quantized-linears.safetensors"
+OLD_CACHE_NAME = "gguf-quantized-linears.safetensors"  # where session 11 put it: removed on sight
 
 
 def unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
@@ -68,14 +71,16 @@ def int8_linear(raw: np.ndarray, bias, dtype: torch.dtype) -> nn.Module:
 def read_quantized(gguf_path: Path, hf_dir: Path) -> tuple[str, dict[str, tuple[str, np.ndarray]]]:
     """(architecture, {tensor name: (type name, raw blocks [N, bytes per row])}) of the Q4_0 / Q4_1 / Q8_0
     tensors. gguf's reader takes ~12 s on the bundled model (it parses 98k tokenizer strings in Python),
-    so the blocks are copied once beside the converted directory and read from there afterwards."""
+    so the blocks are copied once into a subfolder of the converted directory and read from there afterwards."""
     from safetensors import safe_open
     from safetensors.numpy import save_file
 
     cache = hf_dir / CACHE_NAME
+    (hf_dir / OLD_CACHE_NAME).unlink(missing_ok=True)
     if not cache.is_file():
         from gguf import GGUFReader
 
+        cache.parent.mkdir(exist_ok=True)
         reader = GGUFReader(str(gguf_path))
         kept = [t for t in reader.tensors if t.tensor_type.name in KEPT]
         meta = {t.name: t.tensor_type.name for t in kept}

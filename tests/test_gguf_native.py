@@ -116,7 +116,13 @@ def gguf_files(tmp_path_factory, tokenizer_fields):
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_each_layer_equals_ggufs_own_dequantization(gguf_files, qtype):
     path, written = gguf_files[qtype]
+    hf_dir = resolve_model_dir(str(path))
+    (hf_dir / "gguf-quantized-linears.safetensors").write_bytes(b"a stale cache of an earlier version")
     ours, _ = load_model_and_tokenizer(str(path), torch.float32, CPU, quantization="gguf")
+    # The blocks' cache lives in a subfolder: the converted directory stays a plain HF one (vLLM loads every
+    # top-level *.safetensors as weights), and the old top-level cache is gone.
+    assert sorted(p.name for p in hf_dir.glob("*.safetensors")) == ["model.safetensors"]
+    assert (hf_dir / "pagedcore-gguf" / "quantized-linears.safetensors").is_file()
     kind = Int8Linear if qtype == "Q8_0" else Int4Linear
     assert sum(isinstance(m, kind) for m in ours.modules()) == 14
     cfg = ours.config
