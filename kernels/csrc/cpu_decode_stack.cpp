@@ -50,13 +50,15 @@ struct StackLayer {
   std::vector<OnednnLinear> onednn;  // qkv, o, gate_up, down; empty: panels only
 };
 
-// y = x W^T + b through oneDNN, written into y (a buffer the stack's other phases point into).
-void onednn_linear_into(const OnednnLinear& l, const torch::Tensor& x, torch::Tensor& y) {
+// y = x W^T + b through oneDNN: a new contiguous [T, N] tensor (the next phases read it in place).
+torch::Tensor onednn_linear(const OnednnLinear& l, const torch::Tensor& x) {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack{x, l.w, l.bias.has_value() ? c10::IValue(*l.bias) : c10::IValue(), std::string("none"),
                           c10::List<std::optional<at::Scalar>>(), c10::IValue()};
   op.callBoxed(&stack);
-  y.copy_(stack[0].toTensor());
+  auto y = stack[0].toTensor();
+  TORCH_CHECK(y.is_contiguous() && y.size(0) == x.size(0), "oneDNN linear: unexpected output layout");
+  return y;
 }
 
 // [begin, end) of `count` items for thread `tid` of `nth`, contiguous, in units of `unit`.
@@ -338,18 +340,20 @@ class DecodeStack {
     }
   }
 
-  // The same phases as `run`, each matmul through oneDNN between parallel regions (oneDNN runs its own).
+  // The same phases as `run`, each matmul through oneDNN between parallel regions (oneDNN runs its own); the
+  // phases read oneDNN's outputs in place.
   template <typename X>
   void run_onednn(Buffers& b, std::vector<DecodeAttention>& attention, const torch::Tensor& cos_t,
                   const torch::Tensor& sin_t, const int64_t* slots, int64_t T, int64_t nth) {
-    X *res = b.residual.data_ptr<X>(), *h = b.normed.data_ptr<X>(), *qkv = b.qkv.data_ptr<X>();
-    X *o = b.o.data_ptr<X>(), *gu = b.gate_up.data_ptr<X>(), *act = b.act.data_ptr<X>(), *down = b.down.data_ptr<X>();
+    X *res = b.residual.data_ptr<X>(), *h = b.normed.data_ptr<X>();
     const X *cos = cos_t.data_ptr<X>(), *sin = sin_t.data_ptr<X>();
     const int64_t H = H_, d = d_, q_width = hq_ * d_, kv_width = hkv_ * d_, W = q_width + 2 * kv_width, I = I_;
     const int64_t row_bytes = kv_width * int64_t(sizeof(X));
+    torch::Tensor down_t;  // the previous layer's down projection, added to the residual by the next
     for (size_t li = 0; li < layers_.size(); ++li) {
       const StackLayer& l = layers_[li];
       const X *in_w = l.in_norm.data_ptr<X>(), *post_w = l.post_norm.data_ptr<X>();
+      const X* down = li == 0 ? nullptr : down_t.data_ptr<X>();
 #pragma omp parallel num_threads(nth)
       {
         const auto [r0, r1] = share(T, omp_get_thread_num(), omp_get_num_threads());
@@ -360,8 +364,10 @@ class DecodeStack {
             add_rms_norm_row(res + t * H, down + t * H, in_w, res + t * H, h + t * H, H, l.in_eps);
         }
       }
-      onednn_linear_into(l.onednn[0], b.normed, b.qkv);
+      torch::Tensor qkv_t = onednn_linear(l.onednn[0], b.normed);
+      X* qkv = qkv_t.data_ptr<X>();
       DecodeAttention& a = attention[li];
+      a.query = qkv;  // [T, W] rows, as planned over b.qkv
 #pragma omp parallel num_threads(nth)
       {
         const int64_t tid = omp_get_thread_num(), n = omp_get_num_threads();
@@ -380,20 +386,23 @@ class DecodeStack {
 #pragma omp barrier
         if (a.has_split && tid == 0) a.combine();
       }
-      onednn_linear_into(l.onednn[1], b.attn, b.o);
+      torch::Tensor o_t = onednn_linear(l.onednn[1], b.attn);
+      const X* o = o_t.data_ptr<X>();
 #pragma omp parallel num_threads(nth)
       {
         const auto [r0, r1] = share(T, omp_get_thread_num(), omp_get_num_threads());
         for (int64_t t = r0; t < r1; ++t) add_rms_norm_row(res + t * H, o + t * H, post_w, res + t * H, h + t * H, H, l.post_eps);
       }
-      onednn_linear_into(l.onednn[2], b.normed, b.gate_up);
+      torch::Tensor gu_t = onednn_linear(l.onednn[2], b.normed);
+      X *gu = gu_t.data_ptr<X>(), *act = b.act.data_ptr<X>();
 #pragma omp parallel num_threads(nth)
       {
         const auto [r0, r1] = share(T, omp_get_thread_num(), omp_get_num_threads());
         for (int64_t t = r0; t < r1; ++t) silu_and_mul_row(gu + t * 2 * I, gu + t * 2 * I + I, act + t * I, I);
       }
-      onednn_linear_into(l.onednn[3], b.act, b.down);
+      down_t = onednn_linear(l.onednn[3], b.act);
     }
+    const X* down = down_t.data_ptr<X>();
     for (int64_t t = 0; t < T; ++t)  // the last layer's residual add
       for (int64_t j = 0; j < H; ++j)
         res[t * H + j] = static_cast<X>(static_cast<float>(res[t * H + j]) + static_cast<float>(down[t * H + j]));
