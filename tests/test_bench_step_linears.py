@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from pagedcore import LLMEngine, fused_projections
 from pagedcore.bench import linears, step_profile
@@ -65,11 +66,11 @@ def test_bench_step_stack_ab_cli(tiny_model_dir, tmp_path, capsys):
 def test_bench_linears_cli(tmp_path, capsys):
     out = tmp_path / "lin.json"
     rc = main(["bench", "linears", "--dtype", "bfloat16", "--m", "1,8", "--shapes", "k_proj/v_proj",
-               "--seconds", "0.05", "--num-threads", "1", "--json", str(out)])
+               "--seconds", "0.05", "--num-threads", "1", "--copies-mib", "4", "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
     impls = {(r["impl"], r["m"]) for r in report["rows"]}
-    assert ("packed", 1) in impls and ("packed", 8) in impls and ("int4", 1) in impls
+    assert ("packed", 1) in impls and ("packed", 8) in impls and ("int4", 1) in impls and ("onednn", 8) in impls
     assert report["read_gbs"] > 0 and report["matmul_tflops"] > 0
     assert [t["name"] for t in report["targets"]] == ["k_proj/v_proj M=1 fraction of read bandwidth"]
 
@@ -89,3 +90,9 @@ def test_linear_targets():
                            row(64, "packed", 0.1, 0.1)])
     assert [(t["name"], t["met"]) for t in got] == [("q M=1 fraction of read bandwidth", True),
                                                     ("q M=512 fraction of matmul peak", False)]
+    # Where the engine runs oneDNN from 3 rows (bf16, AMX CPUs): the M=512 target is oneDNN's row.
+    rows = [row(1, "packed", 0.85, 0.0), row(512, "packed", 0.0, 0.5), row(512, "onednn", 0.0, 0.9)]
+    got = linears.targets(rows, torch.bfloat16, onednn_rows=3)
+    assert [(t["name"], t["value"], t["met"]) for t in got] == [("q M=1 fraction of read bandwidth", 0.85, True),
+                                                                ("q M=512 fraction of matmul peak", 0.9, True)]
+    assert [t["value"] for t in linears.targets(rows, torch.float32, onednn_rows=3)] == [0.85, 0.5]

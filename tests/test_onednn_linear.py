@@ -118,7 +118,7 @@ def test_fused_projection_through_onednn(ext, onednn_from):
 
 
 def test_weight_bytes_count_the_onednn_copy(ext, tiny_model_dir, onednn_from):
-    from pagedcore.bench import memory
+    from pagedcore.bench import weights
 
     totals = {}
     for rows in (None, 4):
@@ -126,5 +126,5 @@ def test_weight_bytes_count_the_onednn_copy(ext, tiny_model_dir, onednn_from):
         llm = LLM(str(tiny_model_dir("llama")), dtype="bfloat16", num_kv_blocks=16)
         linears = [m for m in llm.engine.model.modules() if hasattr(m, "_pagedcore_packed")]
         dense = sum(m.out_features * m.in_features * 2 for m in linears)
-        totals[rows] = memory.weight_bytes("", llm.engine.model).linear
+        totals[rows] = weights.weight_bytes("", llm.engine.model).linear
     assert totals[4] - totals[None] == dense

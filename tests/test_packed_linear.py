@@ -255,7 +255,7 @@ def test_released_dense_weights_same_tokens_half_the_bytes(ext, tied_model_dir, 
     """An engine's own model keeps only the packed copies; the tied embedding reads the packed head. (oneDNN's
     second bf16 copy on AMX CPUs is off here: test_onednn_linear.py counts it.)"""
     from pagedcore import onednn_linear
-    from pagedcore.bench import memory
+    from pagedcore.bench import weights
 
     monkeypatch.setattr(onednn_linear, "ROWS", None)
 
@@ -269,7 +269,7 @@ def test_released_dense_weights_same_tokens_half_the_bytes(ext, tied_model_dir, 
         assert all((m.weight.numel() == 0) == pack for m in linears)
         assert ("forward" in vars(model.model.embed_tokens)) == pack
         runs[pack] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-        bytes_[pack] = memory.weight_bytes("", model).total
+        bytes_[pack] = weights.weight_bytes("", model).total
     # One copy of every weight either way (packed or dense): the same bytes, up to panel padding.
     assert bytes_[True] == pytest.approx(bytes_[False], rel=0.01)
     tol = 1e-4 if dtype == "float32" else 0.1

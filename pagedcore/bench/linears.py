@@ -3,8 +3,10 @@ engine runs it, against the machine's read bandwidth and matmul peak measured in
 
 Small M is bound by reading the weight: the row reports GB/s of weight read against the bandwidth.
 Large M is bound by arithmetic: TFLOP/s against the matmul peak. Each shape cycles through enough
-copies of its weight (>= 64 MiB) that every call reads it from memory, as a decode step over 30
-layers does. Rows: `packed` (pagedcore's pre-packed kernel, what the engine runs), `F.linear`
+copies of its weight (`--copies-mib`, 512: some CPUs here have hundreds of MB of L3) that every call reads it
+from memory, as a decode step over 30 layers does. Rows: `packed` (pagedcore's pre-packed kernel),
+`onednn` (oneDNN's pre-packed matmul, bf16: what the engine runs from onednn_linear.ROWS rows on AMX CPUs;
+the targets take whichever the engine runs at each M), `F.linear`
 (torch, what transformers runs; skipped where it would take minutes), `int4` (opt-in 4-bit weights, as
 the engine runs them: int8 activations at decode rows), `int4-fp32` (the same weights, fp32 activations
 at every M: the exact path). Rows of one shape and M alternate, `--repeats` times, best of each: on a
@@ -66,25 +68,29 @@ def _time(fn, calls: int, seconds: float) -> float:
             return best
 
 
-def bench_shape(name, n, k, ms, dtype, impls, bw_gbs, peak_tflops, seconds, repeats=1) -> list[Row]:
+def bench_shape(name, n, k, ms, dtype, impls, bw_gbs, peak_tflops, seconds, repeats=1, copies_mib=512) -> list[Row]:
+    from pagedcore import onednn_linear
     from pagedcore.kernels import cpu_ext
     from pagedcore.quantization import Int4Linear
 
     ext = cpu_ext.load()
     elem = torch.empty((), dtype=dtype).element_size()
-    copies = max(2, math.ceil(64 * 2**20 / (n * k * elem)))
+    copies = max(2, math.ceil(copies_mib * 2**20 / (n * k * elem)))
     weights = [(torch.randn(n, k) * 0.02).to(dtype) for _ in range(copies)]
     runners = {}
     if "packed" in impls and ext is not None:
         packed = [ext.pack_linear_weight(w) for w in weights]
         runners["packed"] = (lambda x, j: ext.packed_linear(x, packed[j % copies], n), n * k * elem)
+    if "onednn" in impls and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+        reordered = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+        runners["onednn"] = (lambda x, j: onednn_linear.linear(x, reordered[j % copies], None), n * k * elem)
     if "F.linear" in impls:
         runners["F.linear"] = (lambda x, j: F.linear(x, weights[j % copies]), n * k * elem)
     int4_impls = {"int4", "int4-fp32"} & set(impls)
     if int4_impls and k % 32 == 0 and n % 16 == 0:
         int4_bytes = n * k // 2 + n * k // 32 * 2 * 2  # nibbles + fp16 scale and min per group of 32
         q = [Int4Linear(torch.nn.Linear(k, n, bias=False).requires_grad_(False), dtype)
-             for _ in range(max(2, math.ceil(64 * 2**20 / int4_bytes)))]
+             for _ in range(max(2, math.ceil(copies_mib * 2**20 / int4_bytes)))]
         if q[0].ext is not None:
             int4_bytes = q[0].packed.nbytes + q[0].scales_and_zeros.nbytes  # as packed (padding included)
         if "int4" in impls:
@@ -114,12 +120,17 @@ def bench_shape(name, n, k, ms, dtype, impls, bw_gbs, peak_tflops, seconds, repe
     return rows
 
 
-def targets(rows: list[Row]) -> list[dict]:
+def engine_impl(m: int, dtype: torch.dtype, onednn_rows: int | None) -> str:
+    """The row the engine runs at `m` rows: oneDNN from onednn_rows rows (bf16), else the panels."""
+    return "onednn" if dtype == torch.bfloat16 and onednn_rows is not None and m >= onednn_rows else "packed"
+
+
+def targets(rows: list[Row], dtype: torch.dtype = torch.float32, onednn_rows: int | None = None) -> list[dict]:
     """Issue 13: each shape at M=1 >= 80% of the read bandwidth, at M=512 >= 85% of the matmul peak
-    (pagedcore's own kernel, the packed rows)."""
+    (what the engine runs there: the panels, or oneDNN on AMX CPUs)."""
     out = []
     for r in rows:
-        if r.impl != "packed" or r.m not in (1, 512):
+        if r.m not in (1, 512) or r.impl != engine_impl(r.m, dtype, onednn_rows):
             continue
         value, want = (r.bw_frac, 0.80) if r.m == 1 else (r.peak_frac, 0.85)
         what = "read bandwidth" if r.m == 1 else "matmul peak"
@@ -147,14 +158,18 @@ def main(args) -> int:
           f"{torch.get_num_threads()} threads")
     rows = []
     for name, (n, k) in shapes.items():
-        rows += bench_shape(name, n, k, ms, dtype, args.impls.split(","), bw, peak, args.seconds, args.repeats)
+        rows += bench_shape(name, n, k, ms, dtype, args.impls.split(","), bw, peak, args.seconds, args.repeats,
+                            args.copies_mib)
     print(f"{'shape':18s} {'N':>6s} {'K':>5s} {'M':>4s} {'impl':9s} {'us':>10s} {'GB/s':>7s} {'of bw':>6s} "
           f"{'GFLOP/s':>8s} {'of peak':>7s}")
     for r in rows:
         print(f"{r.shape:18s} {r.n:6d} {r.k:5d} {r.m:4d} {r.impl:9s} {r.us:10.1f} {r.gbs:7.1f} {r.bw_frac:6.0%} "
               f"{r.tflops * 1e3:8.1f} {r.peak_frac:7.0%}")
+    from pagedcore import onednn_linear
+
     report = {"bench": "linears", "dtype": args.dtype, "threads": torch.get_num_threads(), "read_gbs": bw,
-              "matmul_tflops": peak, "rows": [asdict(r) for r in rows], "targets": targets(rows)}
+              "matmul_tflops": peak, "onednn_rows": onednn_linear.ROWS, "rows": [asdict(r) for r in rows],
+              "targets": targets(rows, dtype, onednn_linear.ROWS)}
     for t in report["targets"]:
         print(f"target {t['name']}: {t['value']} (want {t['target']}): {'met' if t['met'] else 'NOT met'}")
     write_json(report, args.json)
@@ -167,9 +182,12 @@ def add_parser(bsub) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--m", default="1,8,64,512", help="comma list of row counts")
     p.add_argument("--shapes", default=None, help="comma list of shape names (default: all)")
-    p.add_argument("--impls", default="packed,F.linear,int4", help="comma list of packed, F.linear, int4, int4-fp32")
+    p.add_argument("--impls", default="packed,onednn,F.linear,int4",
+                   help="comma list of packed, onednn, F.linear, int4, int4-fp32")
     p.add_argument("--seconds", type=float, default=0.5, help="timing budget per row")
     p.add_argument("--repeats", type=int, default=1, help="alternate the rows of a shape this many times, best of each")
+    p.add_argument("--copies-mib", type=float, default=512,
+                   help="MiB of weight copies each shape cycles through (past the last-level cache)")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--json", default=None)
     p.set_defaults(func=main)

@@ -5,11 +5,9 @@
   per sequence (HF static caches, naive engines), computed from the workload and observed by running it
   in an engine whose whole KV cache is that budget;
 - sharing: one n=4 request vs the same prompt sent as 4 independent requests, peak blocks in use;
-- weights (`--weights MODEL[@QUANTIZATION]`, repeatable, instead of the above): the bytes an engine
-  holds for its weights, per format (bf16, int4, GPTQ / AWQ / compressed-tensors dirs, GGUF native).
-- KV capacity per `kv_cache_dtype` (model dtype, int8, fp8 e4m3): bytes per block (values and scales),
-  blocks and sequences of a given length in the budget, and greedy agreement with the model-dtype
-  cache on a few chat prompts.
+- weights (`--weights MODEL[@QUANTIZATION]`, repeatable, instead of the above; weights.py): the bytes an
+  engine holds for its weights, per format (bf16, int4, GPTQ / AWQ / compressed-tensors dirs, GGUF native).
+- KV capacity per `kv_cache_dtype` (kv_capacity.py).
 """
 
 from __future__ import annotations
@@ -18,11 +16,12 @@ import random
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
+from pagedcore.bench.kv_capacity import capacity_rows, check_pool_whole, kv_capacity, make_engine
 from pagedcore.bench.output import write_json
+from pagedcore.bench.weights import MIB, print_weights, run_weights
 from pagedcore.bench.workload import add_workload_args, workload_from_args
 from pagedcore.kv_cache_manager import cdiv
 
-MIB = 1 << 20
 
 
 @dataclass
@@ -97,22 +96,6 @@ class WasteTrace:
     @property
     def mean_running(self) -> float:
         return self.running_sum / self.steps if self.steps else 0.0
-
-
-def make_engine(model_dir: str, args, **settings):
-    from pagedcore import LLMEngine
-
-    return LLMEngine(model=model_dir, dtype=args.dtype, block_size=args.block_size, num_threads=args.num_threads,
-                     **settings)
-
-
-def check_pool_whole(engine) -> None:
-    """Every block back in the free queue (cached ones included: free, just still reusable)."""
-    kv = engine.kv
-    if kv.num_free_blocks != kv.num_blocks:
-        raise RuntimeError(f"KV blocks leaked: {kv.num_blocks - kv.num_free_blocks} of {kv.num_blocks} still held")
-    if kv.cpu_pool is not None and kv.cpu_pool.num_free_blocks != kv.cpu_pool.num_blocks:
-        raise RuntimeError("CPU swap blocks leaked")
 
 
 def step_all(engine, on_step) -> None:
@@ -199,161 +182,6 @@ def sharing(engine, prompt: list[int], n: int, output_tokens: int, seed: int) ->
     return Sharing(n, len(prompt), output_tokens, shared, independent)
 
 
-@dataclass
-class WeightBytes:
-    source: str  # MODEL[@QUANTIZATION] as asked
-    linear: int  # bytes of linear layers: weights (dense, packed copies, or codes + scales) and biases
-    other: int  # embeddings, norms; a tied LM head is the embedding, counted once
-    linear_quantized: int  # of `linear`: the Int4Linear / Int8Linear layers
-    num_quantized: int
-
-    @property
-    def total(self) -> int:
-        return self.linear + self.other
-
-
-def weight_bytes(source: str, model) -> WeightBytes:
-    """Every parameter and buffer of the model, each storage counted once, plus the packed copies the
-    CPU path keeps beside dense linears (packed_linear.py, onednn_linear.py): what the weights hold in memory."""
-    from torch import nn
-
-    from pagedcore import fused_projections
-    from pagedcore.quantization import Int4Linear, Int8Linear
-
-    seen: set[int] = set()
-    counts = {"linear": 0, "other": 0, "quantized": 0}
-    num_quantized = 0
-    for module in model.modules():
-        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-        packed = getattr(module, "_pagedcore_packed", None)
-        tensors += [packed] if packed is not None else []
-        quantized = isinstance(module, (Int4Linear, Int8Linear))
-        num_quantized += quantized
-        for t in tensors:
-            storage = t.untyped_storage()
-            if storage.data_ptr() in seen:
-                continue
-            seen.add(storage.data_ptr())
-            kind = "linear" if quantized or isinstance(module, nn.Linear) else "other"
-            counts[kind] += storage.nbytes()
-            counts["quantized"] += storage.nbytes() if quantized else 0
-        onednn = getattr(module, "_pagedcore_onednn", None)  # opaque (no storage): its elements' bytes
-        counts["linear"] += onednn.numel() * onednn.element_size() if onednn is not None else 0
-    for fused in fused_projections.installed(model):
-        w = fused.onednn_weight
-        counts["linear"] += w.numel() * w.element_size() if w is not None else 0
-    return WeightBytes(source, counts["linear"], counts["other"], counts["quantized"], num_quantized)
-
-
-def run_weights(args) -> dict:
-    """Resident weight bytes of an engine per `--weights` source; ratios to the first one."""
-    import gc
-
-    from pagedcore import LLMEngine
-
-    from pagedcore.bench.latency import single_stream
-
-    rows, tpots = [], []
-    for source in args.weights:
-        model, _, quantization = source.partition("@")
-        engine = LLMEngine(model=model, dtype=args.dtype, quantization=quantization or None,
-                           num_kv_blocks=64, num_threads=args.num_threads)
-        rows.append(weight_bytes(source, engine.model))
-        tpots.append(None)
-        if args.stream_tokens:  # one stream, the format's decode speed (best of 2 after a warm-up)
-            prompt = [100 + i % 1000 for i in range(64)]
-            single_stream(engine, prompt, 4)
-            tpots[-1] = min(single_stream(engine, prompt, args.stream_tokens)["tpot_s"] for _ in range(2))
-        del engine
-        gc.collect()
-    base = rows[0]
-    return {"bench": "memory-weights", "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "dtype": args.dtype,
-            "weights": [dict(asdict(r), total=r.total, total_vs_first=round(r.total / base.total, 3),
-                             linear_vs_first=round(r.linear / base.linear, 3),
-                             tpot_ms=None if t is None else round(t * 1e3, 2),
-                             tok_s=None if t is None else round(1 / t, 1)) for r, t in zip(rows, tpots)]}
-
-
-def print_weights(report: dict) -> None:
-    print(f"\nresident weight bytes ({report['dtype']} activations); ratios to the first row; one stream's decode")
-    print(f"{'source':48s} {'total MiB':>10s} {'linears MiB':>12s} {'other MiB':>10s} {'quantized':>9s} "
-          f"{'total x':>8s} {'linears x':>9s} {'TPOT ms':>8s} {'tok/s':>7s}")
-    for r in report["weights"]:
-        speed = f"{r['tpot_ms']:8.2f} {r['tok_s']:7.1f}" if r.get("tpot_ms") is not None else f"{'-':>8s} {'-':>7s}"
-        print(f"{r['source'][-48:]:48s} {r['total'] / MIB:10.1f} {r['linear'] / MIB:12.1f} {r['other'] / MIB:10.1f} "
-              f"{r['num_quantized']:9d} {r['total_vs_first']:8.3f} {r['linear_vs_first']:9.3f} {speed}")
-
-
-# The greedy-agreement prompt set of the KV capacity table (chat template applied).
-AGREEMENT_PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain in two sentences why the sky is blue.",
-    "List three prime numbers.",
-    "Translate 'good morning' into Spanish and German, and say which languages these are.",
-    "What does a compiler do? Answer for a ten-year-old, in detail, with an example about cooking recipes.",
-    "Name a famous painting.",
-    "Give me a recipe for pancakes.",
-]
-
-
-@dataclass
-class KVCapacity:
-    kv_cache_dtype: str
-    bytes_per_block: int  # K and V of every layer; a quantized block counts its scales
-    budget_blocks: int
-    seq_len: int
-    max_seqs: int  # sequences of seq_len tokens the budget holds
-    vs_model_dtype: float  # budget_blocks / the model-dtype cache's
-    agreement: float | None = None  # greedy tokens before the first divergence from the model-dtype cache / all
-    identical_prompts: int | None = None  # prompts whose greedy output equals the model-dtype cache's
-    num_prompts: int = 0
-
-
-def greedy_tokens(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    from pagedcore import SamplingParams
-
-    for i, p in enumerate(prompts):
-        engine.add_request(f"a{i}", p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-    check_pool_whole(engine)
-    return [done[f"a{i}"] for i in range(len(prompts))]
-
-
-def agreement(got: list[list[int]], want: list[list[int]]) -> tuple[float, int]:
-    """(tokens before the first divergence / all tokens, prompts identical all the way)."""
-    same = sum(next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
-               for g, w in zip(got, want))
-    return same / max(1, sum(len(w) for w in want)), sum(g == w for g, w in zip(got, want))
-
-
-def kv_capacity(model_dir: str, args, budget_bytes: int) -> list[KVCapacity]:
-    """One engine per kv_cache_dtype (the first is the reference): its bytes per block sizes the budget,
-    and, with --agreement-tokens, its greedy output on AGREEMENT_PROMPTS is compared with the first's."""
-    rows, ref_tokens, ref_blocks = [], None, None
-    for name in args.kv_cache_dtypes.split(","):
-        engine = make_engine(model_dir, args, kv_cache_dtype=name, num_kv_blocks=256, num_cpu_blocks=0)
-        bytes_per_block = engine.runner.bytes_per_block()
-        blocks = budget_bytes // bytes_per_block
-        ref_blocks = ref_blocks or blocks
-        row = KVCapacity(name, bytes_per_block, blocks, args.capacity_seq_len,
-                         blocks // cdiv(args.capacity_seq_len, args.block_size), round(blocks / ref_blocks, 3))
-        if args.agreement_tokens:
-            prompts = [list(engine.tokenizer.apply_chat_template([{"role": "user", "content": p}],
-                                                                 add_generation_prompt=True, tokenize=True,
-                                                                 return_dict=False)) for p in AGREEMENT_PROMPTS]
-            tokens = greedy_tokens(engine, prompts, args.agreement_tokens)
-            ref_tokens = ref_tokens or tokens
-            frac, identical = agreement(tokens, ref_tokens)
-            row.agreement, row.identical_prompts, row.num_prompts = round(frac, 4), identical, len(prompts)
-        rows.append(row)
-        del engine
-    return rows
-
-
 def run(args) -> dict:
     """All four measurements; returns the JSON report."""
     from pagedcore.model_loader import resolve_model_dir
@@ -422,19 +250,6 @@ def table_rows(report: dict) -> list[tuple[str, str]]:
         (f"{share}: {s['n']} independent requests", str(s["blocks_independent"])),
         (f"{share}: saving", f"{s['saving_pct']:.1f} %"),
     ] + capacity_rows(report)
-
-
-def capacity_rows(report: dict) -> list[tuple[str, str]]:
-    rows = []
-    for c in report.get("kv_capacity", []):
-        what = f"kv_cache_dtype {c['kv_cache_dtype']}"
-        value = (f"{c['budget_blocks']} blocks of {c['bytes_per_block'] / 1024:g} KiB ({c['vs_model_dtype']:g}x), "
-                 f"{c['max_seqs']} sequences of {c['seq_len']} tokens")
-        if c.get("agreement") is not None:
-            value += (f"; greedy agreement {c['agreement']:.3f}, "
-                      f"{c['identical_prompts']}/{c['num_prompts']} prompts identical")
-        rows.append((f"{what}, {report['concurrency']['kv_budget_mib']:g} MiB of KV", value))
-    return rows
 
 
 def print_report(report: dict) -> None:
