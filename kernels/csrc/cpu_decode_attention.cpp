@@ -409,7 +409,7 @@ void scores_avx2(const float* q, int64_t hkv, int64_t g, const T* k, const T* vb
   for (; t + step <= count; t += step) {
     for (int64_t u = t + PF; u < t + PF + step; ++u) {
       if (u < count) prefetch_row(k + off[u], row_elems);
-      else if (u < count + PF) prefetch_row(vb + off[u - count], row_elems);
+      else if (u - count < std::min(count, PF)) prefetch_row(vb + off[u - count], row_elems);  // off has count rows
     }
     for (int64_t kv = 0; kv < hkv; ++kv) {
       const T* kk = k + kv * d;
