@@ -86,9 +86,13 @@ def extra_lines(throughput: dict) -> list[str]:
         lines.append(f"- Memory: {rf['read_gbs']:.1f} GB/s read; all {rf['weight_mb']:.0f} MB of weights in "
                      f"{rf['weight_read_ms']:.1f} ms")
     if rf:
-        lines.append(f"- Roofline: {rf['achieved_tflops']:.3f} TFLOP/s achieved of {rf['matmul_tflops']:.2f} TFLOP/s "
-                     f"measured matmul peak = {100 * rf['fraction']:.1f}% ({rf['model_gflop_per_token']:.3f} "
-                     f"GFLOP/token)")
+        matmul = rf.get("matmul_fraction", rf["fraction"])
+        lines.append(f"- Matmul: {rf['achieved_tflops']:.3f} TFLOP/s achieved of {rf['matmul_tflops']:.2f} TFLOP/s "
+                     f"measured matmul peak = {100 * matmul:.1f}% ({rf['model_gflop_per_token']:.3f} GFLOP/token)")
+    if rf and "roofline_s" in rf:
+        lines.append(f"- Roofline: the run needs >= {rf['compute_s']:.2f} s of matmul at peak and >= "
+                     f"{rf['memory_s']:.2f} s of weight reads ({rf['min_passes']} forward passes, each reading every "
+                     f"weight); pagedcore ran at {100 * rf['fraction']:.1f}% of the larger")
     if throughput.get("cold_start_s") is not None:
         samples = throughput.get("cold_start_samples_s")
         seen = f" (min of {len(samples)} fresh processes: {', '.join(f'{x:.2f}' for x in samples)})" if samples else ""
