@@ -265,6 +265,22 @@ class DecodeStack {
     return plans;
   }
 
+  // Rows [r0, r1) of q/k/v [T, (Hq + 2 Hkv) D]: RoPE on q and k, then k and v into the layer's cache.
+  template <typename X>
+  void rope_and_cache(const StackLayer& l, X* qkv, const X* cos, const X* sin, const int64_t* slots, int64_t r0,
+                      int64_t r1) const {
+    const int64_t d = d_, q_width = hq_ * d_, kv_width = hkv_ * d_, W = q_width + 2 * kv_width;
+    const int64_t row_bytes = kv_width * int64_t(sizeof(X));
+    for (int64_t t = r0; t < r1; ++t) {
+      X* row = qkv + t * W;
+      rope_token(row, hq_, d, d, cos + t * d, sin + t * d);
+      rope_token(row + q_width, hkv_, d, d, cos + t * d, sin + t * d);
+      std::memcpy(static_cast<char*>(l.k_cache.data_ptr()) + slots[t] * row_bytes, row + q_width, row_bytes);
+      std::memcpy(static_cast<char*>(l.v_cache.data_ptr()) + slots[t] * row_bytes, row + q_width + kv_width,
+                  row_bytes);
+    }
+  }
+
   template <typename X>
   void run(Buffers& b, Inputs& in, const std::vector<Weights>& weights, std::vector<DecodeAttention>& attention, const torch::Tensor& cos_t,
            const torch::Tensor& sin_t, const int64_t* slots, int64_t T, int64_t nth) {
@@ -273,8 +289,7 @@ class DecodeStack {
     X *act = b.act.data_ptr<X>(), *down = b.down.data_ptr<X>();
     const X *cos = cos_t.data_ptr<X>(), *sin = sin_t.data_ptr<X>();
     const auto xt = b.residual.scalar_type();
-    const int64_t H = H_, d = d_, q_width = hq_ * d_, kv_width = hkv_ * d_, W = q_width + 2 * kv_width, I = I_;
-    const int64_t row_bytes = kv_width * int64_t(sizeof(X));
+    const int64_t H = H_, I = I_;
 #pragma omp parallel num_threads(nth)
     {
       const int64_t tid = omp_get_thread_num(), n = omp_get_num_threads();
@@ -303,15 +318,7 @@ class DecodeStack {
         fill(w.qkv, in.qkv, h);
 #pragma omp barrier
         matmul(w.qkv, in.qkv, qkv);
-        // RoPE on q and k, then k and v into the cache.
-        for (int64_t t = r0; t < r1; ++t) {
-          X* row = qkv + t * W;
-          rope_token(row, hq_, d, d, cos + t * d, sin + t * d);
-          rope_token(row + q_width, hkv_, d, d, cos + t * d, sin + t * d);
-          std::memcpy(static_cast<char*>(l.k_cache.data_ptr()) + slots[t] * row_bytes, row + q_width, row_bytes);
-          std::memcpy(static_cast<char*>(l.v_cache.data_ptr()) + slots[t] * row_bytes, row + q_width + kv_width,
-                      row_bytes);
-        }
+        rope_and_cache(l, qkv, cos, sin, slots, r0, r1);
 #pragma omp barrier
         DecodeAttention& a = attention[li];
         const auto [i0, i1] = share(int64_t(a.items.size()), tid, n);
@@ -347,8 +354,7 @@ class DecodeStack {
                   const torch::Tensor& sin_t, const int64_t* slots, int64_t T, int64_t nth) {
     X *res = b.residual.data_ptr<X>(), *h = b.normed.data_ptr<X>();
     const X *cos = cos_t.data_ptr<X>(), *sin = sin_t.data_ptr<X>();
-    const int64_t H = H_, d = d_, q_width = hq_ * d_, kv_width = hkv_ * d_, W = q_width + 2 * kv_width, I = I_;
-    const int64_t row_bytes = kv_width * int64_t(sizeof(X));
+    const int64_t H = H_, I = I_;
     torch::Tensor down_t;  // the previous layer's down projection, added to the residual by the next
     for (size_t li = 0; li < layers_.size(); ++li) {
       const StackLayer& l = layers_[li];
@@ -372,14 +378,7 @@ class DecodeStack {
       {
         const int64_t tid = omp_get_thread_num(), n = omp_get_num_threads();
         const auto [r0, r1] = share(T, tid, n);
-        for (int64_t t = r0; t < r1; ++t) {
-          X* row = qkv + t * W;
-          rope_token(row, hq_, d, d, cos + t * d, sin + t * d);
-          rope_token(row + q_width, hkv_, d, d, cos + t * d, sin + t * d);
-          std::memcpy(static_cast<char*>(l.k_cache.data_ptr()) + slots[t] * row_bytes, row + q_width, row_bytes);
-          std::memcpy(static_cast<char*>(l.v_cache.data_ptr()) + slots[t] * row_bytes, row + q_width + kv_width,
-                      row_bytes);
-        }
+        rope_and_cache(l, qkv, cos, sin, slots, r0, r1);
 #pragma omp barrier
         const auto [i0, i1] = share(int64_t(a.items.size()), tid, n);
         if (i0 < i1) a.run(i0, i1);
