@@ -151,16 +151,16 @@ def test_render_step_profile_and_memory_line():
                "sample": 3.0, "output": 1.6, "decode_stack": False}
     t = dict(THROUGHPUT, step_profile=[
         {"batch": 1, "step_ms": 30.0, "prepare": 0.2, "gemm": 20.0, "attention": 3.0, "other_forward": 6.0,
-         "sample": 0.3, "output": 0.5, "weight_read_ms": 15.0, "matmul_ms": 7.0},
+         "sample": 0.3, "output": 0.5, "weight_read_ms": 15.0, "matmul_ms": 7.0},  # an older report: no K/V floor
         {"batch": 64, "step_ms": 280.0, "prepare": 0.4, "gemm": None, "attention": None, "other_forward": 275.0,
-         "sample": 3.0, "output": 1.6, "weight_read_ms": 15.0, "matmul_ms": 200.0, "decode_stack": True,
+         "sample": 3.0, "output": 1.6, "weight_read_ms": 15.0, "kv_read_ms": 4.5, "matmul_ms": 200.0, "decode_stack": True,
          "layered": layered}])
     t["roofline"] = dict(t.get("roofline") or {"achieved_tflops": 0.01, "matmul_tflops": 0.04, "fraction": 0.25,
                                                 "model_gflop_per_token": 0.27},
                          read_gbs=13.0, weight_mb=269.0, weight_read_ms=20.7)
     text = report.render(t)
     assert "**Decode step profile**" in text
-    assert "| 1 | layer by layer | 30.00 | 0.20 | 20.00 | 3.00 | 6.00 | 0.30 | 0.50 | 15.00 | 7.00 |" in text
-    assert "| 64 | decode stack | 280.00 | 0.40 | – | – | 275.00 | 3.00 | 1.60 | 15.00 | 200.00 |" in text
-    assert "| 64 | layer by layer | 300.00 | 0.40 | 240.00 | 40.00 | 15.00 | 3.00 | 1.60 | 15.00 | 200.00 |" in text
+    assert "| 1 | layer by layer | 30.00 | 0.20 | 20.00 | 3.00 | 6.00 | 0.30 | 0.50 | 15.00 | – | 7.00 |" in text
+    assert "| 64 | decode stack | 280.00 | 0.40 | – | – | 275.00 | 3.00 | 1.60 | 15.00 | 4.50 | 200.00 |" in text
+    assert "| 64 | layer by layer | 300.00 | 0.40 | 240.00 | 40.00 | 15.00 | 3.00 | 1.60 | 15.00 | 4.50 | 200.00 |" in text
     assert "- Memory: 13.0 GB/s read; all 269 MB of weights in 20.7 ms" in text

@@ -66,6 +66,8 @@ def synthetic_report(**over) -> dict:
         "single_stream": [{"peer": "pagedcore", "tpot_s": 0.0085}, {"peer": "pagedcore-int4", "tpot_s": 0.004},
                           {"peer": "pagedcore-gguf", "tpot_s": 0.0045}, {"peer": "llama-cpp", "tpot_s": 0.005}],
         "cold_start_s": 3.9, "kv_waste_pct": 2.5, "dtype": "bfloat16",
+        "step_profile": [{"batch": 1, "step_ms": 9.0, "matmul_ms": 0.1, "weight_read_ms": 6.0, "kv_read_ms": 0.1},
+                         {"batch": 64, "step_ms": 12.0, "matmul_ms": 10.0, "weight_read_ms": 6.0, "kv_read_ms": 3.0}],
     }
     report.update(over)
     return report
@@ -76,7 +78,9 @@ def test_targets_of_issue_13_on_a_synthetic_report():
     names = {t["name"]: t for t in rows}
     assert list(names) == ["output tok/s vs best CPU peer", "output tok/s vs hf-cb",
                            "fraction of the roofline (matmul or weight reads)", "single-stream TPOT pagedcore-int4 / llama.cpp's",
-                           "single-stream TPOT pagedcore-gguf / llama.cpp's", "single-stream bf16 TPOT / weight-read time", "cold start to first token (s)",
+                           "single-stream TPOT pagedcore-gguf / llama.cpp's", "single-stream bf16 TPOT / weight-read time",
+                           "decode step at 64 sequences / its matmul at peak",
+                           "decode step at 64 sequences / max(matmul, weight + K/V reads)", "cold start to first token (s)",
                            "KV waste (% of allocated slots)"]
     best = names["output tok/s vs best CPU peer"]
     # pagedcore / max(openvino, vllm) tok/s: the faster peer is the one pagedcore beats by less.
@@ -92,6 +96,13 @@ def test_targets_of_issue_13_on_a_synthetic_report():
     floor = names["single-stream bf16 TPOT / weight-read time"]
     assert floor["value"] == pytest.approx(8.5 / 6.0, abs=1e-3) and floor["target"] == "<= 1.5x" and floor["met"]
     assert names["cold start to first token (s)"]["met"] is True and names["KV waste (% of allocated slots)"]["met"]
+    assert names["decode step at 64 sequences / its matmul at peak"]["value"] == 1.2  # 12 / 10
+    assert names["decode step at 64 sequences / max(matmul, weight + K/V reads)"]["value"] == 1.2  # matmul larger
+    # Memory-bound (AMX): the weights + K/V reads are the floor the second ratio takes.
+    amx = {t["name"]: t for t in targets(synthetic_report(step_profile=[
+        {"batch": 64, "step_ms": 40.0, "matmul_ms": 5.0, "weight_read_ms": 11.0, "kv_read_ms": 8.0}]))}
+    assert amx["decode step at 64 sequences / its matmul at peak"]["met"] is False
+    assert amx["decode step at 64 sequences / max(matmul, weight + K/V reads)"]["value"] == pytest.approx(40 / 19, abs=1e-3)
 
     # Just under each bound: not met.
     rows = targets(synthetic_report(ratios={"hf-cb": 1.49, "vllm": 1.29, "openvino": 1.5},
@@ -100,8 +111,10 @@ def test_targets_of_issue_13_on_a_synthetic_report():
                                                    {"peer": "pagedcore-int4", "tpot_s": 0.0051},
                                                    {"peer": "pagedcore-gguf", "tpot_s": 0.00501},
                                                    {"peer": "llama-cpp", "tpot_s": 0.005}],
+                                    step_profile=[{"batch": 64, "step_ms": 13.1, "matmul_ms": 10.0,
+                                                   "weight_read_ms": 6.0, "kv_read_ms": 3.0}],
                                     cold_start_s=5.0, kv_waste_pct=4.0))
-    assert [t["met"] for t in rows] == [False] * 8
+    assert [t["met"] for t in rows] == [False] * 10
     assert rows[0]["peer"] == "vllm" and rows[0]["value"] == 1.29
 
 
@@ -110,8 +123,10 @@ def test_targets_when_openvino_or_both_peers_are_missing():
     best = no_ov["output tok/s vs best CPU peer"]
     assert best["peer"] == "vllm" and best["value"] == 1.6 and best["met"] is True  # falls back to vllm
     neither = {t["name"]: t for t in targets(synthetic_report(ratios={"hf-cb": 2.0}, roofline={},
-                                                              single_stream=[]))}
-    for name in ("output tok/s vs best CPU peer", "fraction of the roofline (matmul or weight reads)",
+                                                              single_stream=[], step_profile=[]))}
+    for name in ("decode step at 64 sequences / its matmul at peak",
+                 "decode step at 64 sequences / max(matmul, weight + K/V reads)",
+                 "output tok/s vs best CPU peer", "fraction of the roofline (matmul or weight reads)",
                  "single-stream TPOT pagedcore-int4 / llama.cpp's", "single-stream TPOT pagedcore-gguf / llama.cpp's",
                  "single-stream bf16 TPOT / weight-read time"):
         assert neither[name]["value"] is None and neither[name]["met"] is None, name  # not measured, not claimed

@@ -106,12 +106,13 @@ def step_profile_table(rows: list[dict]) -> list[str]:
     from pagedcore.bench.step_profile import PARTS, with_layered
 
     body = [[str(r["batch"]), r["path"], _num(r["step_ms"], "{:.2f}"), *(_num(r.get(p), "{:.2f}") for p in PARTS),
-             _num(r.get("weight_read_ms"), "{:.2f}"), _num(r.get("matmul_ms"), "{:.2f}")] for r in with_layered(rows)]
+             _num(r.get("weight_read_ms"), "{:.2f}"), _num(r.get("kv_read_ms"), "{:.2f}"),
+             _num(r.get("matmul_ms"), "{:.2f}")] for r in with_layered(rows)]
     header = ["batch", "path", "step", "prepare", "GEMMs", "attention", "other forward", "sample", "output",
-              "floor: read weights", "floor: matmul at peak"]
+              "floor: read weights", "floor: read K/V", "floor: matmul at peak"]
     return ["**Decode step profile** (ms per step; floors measured in the same run; the decode stack runs every "
             "layer in one C++ call, so its GEMMs and attention are inside \"other forward\")", "",
-            *_table(header, body, "rlrrrrrrrrr")]
+            *_table(header, body, "rlrrrrrrrrrr")]
 
 
 def targets_table(targets: list[dict]) -> list[str]:

@@ -147,12 +147,15 @@ def _profile(engine, batch: int, prompt_len: int, steps: int, per_module: bool) 
     return row
 
 
-def floors(engine, batch: int, read_gbs: float, matmul_tflops: float) -> dict:
-    """The step's lower bounds on this machine: all weights read once; its matmul FLOPs at the peak."""
+def floors(engine, batch: int, read_gbs: float, matmul_tflops: float, context: int = 0) -> dict:
+    """The step's lower bounds on this machine: all weights read once; every sequence's K/V (`context`
+    tokens each) read once; its matmul FLOPs at the peak."""
     from pagedcore.bench import roofline
 
     per_token, head = roofline.model_flops(engine.model)
+    kv_bytes = batch * context * engine.runner.bytes_per_block() / engine.config.block_size
     return {"weight_read_ms": round(roofline.weight_bytes(engine.model) / read_gbs / 1e6, 2),
+            "kv_read_ms": round(kv_bytes / read_gbs / 1e6, 2),
             "matmul_ms": round((per_token + head) * batch / matmul_tflops / 1e9, 2)}
 
 
@@ -162,7 +165,9 @@ def run(engine, batches=(1, 64), read_gbs: float | None = None, matmul_tflops: f
 
     read_gbs = read_gbs or roofline.read_bandwidth_gbs()
     matmul_tflops = matmul_tflops or roofline.matmul_tflops(engine.dtype)
-    return [dict(profile_decode(engine, b, prompt_len, steps), **floors(engine, b, read_gbs, matmul_tflops))
+    # The timed steps' mean context: the prompt, the first token, one untimed step, then half the timed ones.
+    context = prompt_len + 2 + steps // 2
+    return [dict(profile_decode(engine, b, prompt_len, steps), **floors(engine, b, read_gbs, matmul_tflops, context))
             for b in batches]
 
 
@@ -193,7 +198,7 @@ def with_layered(rows: list[dict]) -> list[dict]:
         out.append(dict(r, path="decode stack" if r.get("decode_stack") else "layer by layer"))
         if r.get("layered"):
             out.append(dict(r["layered"], path="layer by layer", weight_read_ms=r.get("weight_read_ms"),
-                            matmul_ms=r.get("matmul_ms")))
+                            kv_read_ms=r.get("kv_read_ms"), matmul_ms=r.get("matmul_ms")))
     return out
 
 
@@ -217,12 +222,12 @@ def run_stack_ab(engine, repeats: int, batches=(1,), prompt_len: int = 128, step
 
 def format_rows(rows: list[dict]) -> list[str]:
     head = f"{'batch':>5s} {'path':>14s} {'step ms':>8s} " + " ".join(f"{p:>13s}" for p in PARTS) \
-        + f" {'weights ms':>10s} {'matmul ms':>9s}"
+        + f" {'weights ms':>10s} {'K/V ms':>7s} {'matmul ms':>9s}"
     lines = [head]
     for r in with_layered(rows):
         lines.append(f"{r['batch']:5d} {r['path']:>14s} {r['step_ms']:8.2f} "
                      + " ".join(f"{r[p]:13.2f}" if r[p] is not None else f"{'-':>13s}" for p in PARTS)
-                     + f" {r['weight_read_ms']:10.2f} {r['matmul_ms']:9.2f}")
+                     + f" {r['weight_read_ms']:10.2f} {r.get('kv_read_ms', math.nan):7.2f} {r['matmul_ms']:9.2f}")
     return lines
 
 
