@@ -337,16 +337,20 @@ def test_graceful_shutdown_stops_admitting_and_lets_requests_in_flight_finish(mo
     aeng = AsyncLLMEngine(LLMEngine(model=model, **ENGINE))
 
     async def main():
-        stream = aeng.generate(ids(8), greedy(40))
+        # Long enough to be still running when the second request comes (40 tokens finished within a fixed
+        # 0.05 s wait on a fast CPU); the wait is for the shutdown to begin, not a guess at its timing.
+        stream = aeng.generate(ids(8), greedy(400))
         first = await stream.__anext__()
         stopping = asyncio.ensure_future(asyncio.to_thread(aeng.shutdown, 30.0))
-        await asyncio.sleep(0.05)
+        deadline = time.monotonic() + 5
+        while aeng.healthy and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
         assert not aeng.healthy
         with pytest.raises(EngineDeadError, match="shutting down"):
             await aeng.generate(ids(8), greedy(4)).__anext__()
         outs = [first] + [o async for o in stream]
         assert outs[-1].finished and not outs[-1].error
-        assert sum(len(o.outputs[0].token_ids) for o in outs) == 40
+        assert sum(len(o.outputs[0].token_ids) for o in outs) == 400
         await stopping
 
     run(main())
