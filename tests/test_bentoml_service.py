@@ -21,6 +21,7 @@ pytest.importorskip("bentoml")
 from conftest import CHAT_PROMPTS  # noqa: E402
 from servers import bentoml_serve, stop, wait_ready  # noqa: E402
 from pagedcore import SamplingParams  # noqa: E402
+from pagedcore.adapters.bentoml_service import METRICS_INTERVAL_S  # noqa: E402
 from pagedcore.metrics import METRICS  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -108,14 +109,20 @@ def wait_for_metrics(base: str, ready, timeout: float = 20.0) -> dict[str, float
         time.sleep(0.2)
 
 
-def wait_kv_free(base: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
+def wait_kv_free(base: str, timeout: float = 20.0) -> dict[str, float]:
+    """Scrape until no request runs or waits, no KV block is used, and nothing changed over two
+    publish intervals: the door's numbers lag the engine by up to one, so a single idle scrape can
+    still be the snapshot from before the last request arrived."""
+    deadline, last = time.monotonic() + timeout, None
     while True:
-        used, running = metric(base, "pagedcore:kv_cache_used_blocks"), metric(base, "pagedcore:num_requests_running")
-        if used == 0 and running == 0:
-            return
-        assert time.monotonic() < deadline, f"still {used} KV blocks used, {running} running after {timeout} s"
-        time.sleep(0.25)
+        now = scrape(base)
+        idle = all(now[f"pagedcore:{name}"] == 0 for name in ("kv_cache_used_blocks", "num_requests_running",
+                                                              "num_requests_waiting"))
+        if idle and now == last:
+            return now
+        assert time.monotonic() < deadline, f"not idle and settled after {timeout} s: {now}"
+        last = now if idle else None
+        time.sleep(2.2 * METRICS_INTERVAL_S)
 
 
 # ---- the OpenAI API ------------------------------------------------------------------------------------
@@ -432,10 +439,11 @@ def test_native_generate_streams_the_greedy_chat_text(server, offline):
 def test_health_endpoints_and_every_engine_metric_in_metrics(server, client):
     for path in ("/healthz", "/livez", "/readyz"):
         assert httpx.get(server + path, timeout=10).status_code == 200
+    tpot = "pagedcore:time_per_output_token_seconds_count"
+    before = wait_kv_free(server)
     client.chat.completions.create(model=MODEL, messages=user("Hi!"), temperature=0, max_tokens=4)
-    wait_for_metrics(server, lambda m: m["pagedcore:time_per_output_token_seconds_count"] > 0)
-    wait_kv_free(server)
-    m = scrape(server)
+    wait_for_metrics(server, lambda m: m[tpot] > before[tpot])
+    m = wait_kv_free(server)
     for spec in METRICS:  # the same names as the Triton door (tests/test_triton_server.py)
         if spec.kind == "histogram":
             assert m[f'{spec.name}_bucket{{le="+Inf"}}'] == m[f"{spec.name}_count"] > 0, spec.name
@@ -448,8 +456,7 @@ def test_health_endpoints_and_every_engine_metric_in_metrics(server, client):
 
 
 def test_metrics_count_one_request_exactly(server, client):
-    wait_kv_free(server)
-    before = scrape(server)
+    before = wait_kv_free(server)
     r = client.chat.completions.create(model=MODEL, messages=user(CHAT_PROMPTS[2]), temperature=0,
                                        max_completion_tokens=12, extra_body={"ignore_eos": True})
     e2e = "pagedcore:e2e_request_latency_seconds"

@@ -204,6 +204,22 @@ def wait_for_metrics(server: TritonServer, ready, timeout: float = 30.0, fail: b
         time.sleep(0.2)
 
 
+def wait_idle(server: TritonServer, timeout: float = 30.0) -> dict:
+    """Scrape until no request runs or waits, no KV block is used, and nothing changed over two
+    publish intervals (the model's METRICS_INTERVAL_S, 0.25 s): the numbers lag the engine by up to
+    one, so a single idle scrape can still be the snapshot from before the last request arrived."""
+    deadline, last = time.monotonic() + timeout, None
+    while True:
+        now = engine_metrics(server)
+        idle = all(now.get(f"pagedcore:{name}") == 0 for name in ("kv_cache_used_blocks", "num_requests_running",
+                                                                  "num_requests_waiting"))
+        if idle and now == last:
+            return now
+        assert time.monotonic() < deadline, f"not idle and settled after {timeout} s: {now}"
+        last = now if idle else None
+        time.sleep(0.6)
+
+
 # ---- streaming -------------------------------------------------------------------------------------
 def test_grpc_stream_equals_offline_greedy(stream_client, prompts, offline):
     results, error = stream_client.generate(infer_inputs(prompts[1], greedy(32)))
@@ -328,10 +344,12 @@ def test_http_client_disconnect_aborts_the_request(server, prompts):
 
 
 def test_metrics_endpoint_shows_every_engine_metric(server, stream_client, prompts):
+    tpot = "pagedcore:time_per_output_token_seconds_count"
+    before = wait_idle(server)
     results, error = stream_client.generate(infer_inputs(prompts[4], greedy(4)))
     assert error is None, error
-    m = wait_for_metrics(server, lambda m: m.get("pagedcore:time_per_output_token_seconds_count", 0) > 0
-                         and m.get("pagedcore:kv_cache_used_blocks") == 0)
+    wait_for_metrics(server, lambda m: m.get(tpot, 0) > before.get(tpot, 0))
+    m = wait_idle(server)
     for spec in METRICS:  # the same names as the BentoML door (tests/test_bentoml_service.py)
         if spec.kind == "histogram":
             assert m[f'{spec.name}_bucket{{le="+Inf"}}'] == m[f"{spec.name}_count"] > 0, spec.name
@@ -344,8 +362,7 @@ def test_metrics_endpoint_shows_every_engine_metric(server, stream_client, promp
 
 
 def test_metrics_count_one_request_exactly(server, stream_client, prompts):
-    wait_for_metric(server, "pagedcore:kv_cache_used_blocks", 0)
-    before = engine_metrics(server)
+    before = wait_idle(server)
     results, error = stream_client.generate(
         infer_inputs(prompts[2], greedy(12, ignore_eos=True), return_num_input_tokens=True,
                      return_num_output_tokens=True))
