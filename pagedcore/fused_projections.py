@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedcore import installs, onednn_linear, packed_linear, quantization
+from pagedcore import installs, onednn_linear, packed_linear, quantization, vnni_layout
 from pagedcore.kernels import cpu_ext
 from pagedcore.quantization import Int4Linear, Int8Linear
 
@@ -54,8 +54,11 @@ class FusedProjection:
 
     def fuses(self, rows: int) -> bool:
         """Whether a call of `rows` rows runs fused (else each member alone): a few rows on the panels, where
-        a call's fixed cost counts; any number through oneDNN (3 calls of q/k/v measured ~15% slower there)."""
-        return rows <= FUSED_ROWS or (self.onednn and onednn_linear.ROWS is not None and rows >= onednn_linear.ROWS)
+        a call's fixed cost counts; any number through oneDNN or AMX tiles (3 calls of q/k/v measured ~15% slower
+        through oneDNN)."""
+        if rows <= FUSED_ROWS or (self.spec and vnni_layout.is_packed(self.spec[0])):
+            return True
+        return self.onednn and onednn_linear.ROWS is not None and rows >= onednn_linear.ROWS
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.run(x).split(self.widths, dim=-1)

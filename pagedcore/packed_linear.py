@@ -9,8 +9,8 @@ Results equal `F.linear`'s up to the order of the fp32 sums.
 Any HF decoder: the Linear modules themselves are patched (their `forward`), so transformers'
 layers, the lean layers and plugins all run through it without per-model code. The original
 weight stays on the module (tied embeddings, state dicts, `restore`). int4 linears keep their own
-pre-packed kernel. A tracked model records the undo (installs.py). On CPUs with AMX tiles, bf16 linears
-past a few rows run oneDNN's pre-packed matmul instead (onednn_linear.py).
+pre-packed kernel. A tracked model records the undo (installs.py). On CPUs with AMX tiles, bf16 weights are
+packed in VNNI pairs instead of panels, for the same op (vnni_layout.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedcore import installs, onednn_linear
+from pagedcore import installs, onednn_linear, vnni_layout
 from pagedcore.kernels import cpu_ext
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -64,12 +64,15 @@ def release_dense(model: nn.Module) -> int:
 
 def _panel_lookup(linear: nn.Linear):
     """Embedding rows from a packed [ceil(N / 16), K, 16] weight: row n is panel n // 16, in the slot of
-    column n % 16."""
+    column n % 16 (or from VNNI pairs)."""
     packed = linear._pagedcore_packed
     slots = torch.tensor(BF16_SLOTS if packed.dtype == torch.bfloat16 else range(PANEL))
 
     def forward(ids: torch.Tensor) -> torch.Tensor:
-        return linear._pagedcore_packed[ids // PANEL, :, slots[ids % PANEL]]
+        packed = linear._pagedcore_packed
+        if vnni_layout.is_packed(packed):
+            return vnni_layout.rows(packed, ids)
+        return packed[ids // PANEL, :, slots[ids % PANEL]]
 
     return forward
 
@@ -87,12 +90,14 @@ def restore(model: nn.Module) -> int:
 
 
 def _patch(ext, module: nn.Linear) -> installs.Undo:
-    packed = ext.pack_linear_weight(module.weight.detach())
+    weight = module.weight.detach()
+    vnni = vnni_layout.applies(ext, weight)
+    packed = ext.pack_linear_weight_vnni(weight) if vnni else ext.pack_linear_weight(weight)
     out_features = module.out_features
     bias = None if module.bias is None else module.bias.detach()
     original = type(module).forward
     module._pagedcore_packed = packed
-    module._pagedcore_onednn = onednn_linear.prepack(module.weight)
+    module._pagedcore_onednn = None if vnni else onednn_linear.prepack(module.weight)
 
     dtype = packed.dtype  # not the tensor itself: the closure must not keep a replaced weight alive
 

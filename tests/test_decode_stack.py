@@ -15,11 +15,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=20, logprobs=2, ignore_eos=Tru
 
 @pytest.fixture(autouse=True)
 def panels_only(monkeypatch):
-    """The stack against the same panels layer by layer, at every batch size: oneDNN (AMX CPUs) off, which
-    would take batches of onednn_linear.ROWS rows and more from both (test_onednn_linear.py)."""
-    from pagedcore import onednn_linear
+    """The stack against the same panels layer by layer, at every batch size: oneDNN and the VNNI pairs (AMX
+    CPUs) off, which the tests below force on any CPU."""
+    from pagedcore import onednn_linear, vnni_layout
 
     monkeypatch.setattr(onednn_linear, "ROWS", None)
+    monkeypatch.setattr(vnni_layout, "SETTING", "off")
 
 
 @pytest.fixture
@@ -76,6 +77,21 @@ def test_stack_over_onednn_equals_layered(tiny_model_dir, stack_steps, monkeypat
     from pagedcore import onednn_linear
 
     monkeypatch.setattr(onednn_linear, "ROWS", 3)
+    got = _compare(tiny_model_dir(arch), stack_steps, dtype="bfloat16")
+    assert len(got) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_stack_over_vnni_equals_layered(tiny_model_dir, stack_steps, monkeypatch, arch):
+    """bf16 weights in VNNI pairs (AMX CPUs; forced here: CPUs without AMX run the scalar loop): the stack runs
+    the same kernel on its threads as the layers' op does, every panel whole on one thread: equal bit for bit,
+    prefill and batches 1-5."""
+    from pagedcore import vnni_layout
+
+    monkeypatch.setattr(vnni_layout, "SETTING", "on")
+    engine, _ = _run(tiny_model_dir(arch), PROMPTS[:1], dtype="bfloat16", decode_stack=True)
+    assert all(vnni_layout.is_packed(m._pagedcore_packed) for m in engine.model.modules()
+               if hasattr(m, "_pagedcore_packed") and m.in_features % 32 == 0)
     got = _compare(tiny_model_dir(arch), stack_steps, dtype="bfloat16")
     assert len(got) == len(PROMPTS)
 

@@ -127,13 +127,15 @@ def test_restore_takes_fusing_off(ext):
     assert not hasattr(model.self_attn.q_proj, "_pagedcore_packed")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_tokens_equal_with_and_without_fusing(ext, monkeypatch, tiny_model_dir, dtype):
-    """Decode steps (<= FUSED_ROWS rows) take the fused path; with it off, the same tokens and logprobs. (Panels
-    only: through oneDNN, on AMX CPUs, prefill runs fused too - test_onednn_linear.py.)"""
-    from pagedcore import onednn_linear
+@pytest.mark.parametrize("dtype,vnni", [("float32", "off"), ("bfloat16", "off"), ("bfloat16", "on")])
+def test_engine_tokens_equal_with_and_without_fusing(ext, monkeypatch, tiny_model_dir, dtype, vnni):
+    """Decode steps (<= FUSED_ROWS rows) take the fused path; with it off, the same tokens and logprobs. bf16
+    weights in VNNI pairs (AMX CPUs) run fused at any row count, prefill too. (oneDNN, which also fuses
+    prefill: test_onednn_linear.py.)"""
+    from pagedcore import onednn_linear, vnni_layout
 
     monkeypatch.setattr(onednn_linear, "ROWS", None)
+    monkeypatch.setattr(vnni_layout, "SETTING", vnni)
     prompts = [[5 + i for i in range(n)] for n in (3, 20, 41)]
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=2)
     runs, calls = {}, []
@@ -146,9 +148,11 @@ def test_engine_tokens_equal_with_and_without_fusing(ext, monkeypatch, tiny_mode
         llm = LLM(str(tiny_model_dir("llama")), dtype=dtype, num_kv_blocks=64, decode_stack=False)
         layer = llm.engine.model.model.layers[0]
         assert (fused_projections.get(layer.self_attn, QKV) is not None) == fuse
+        assert vnni_layout.is_packed(layer.self_attn.q_proj._pagedcore_packed) == (vnni == "on")
         runs[fuse] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    # 2 layers x (q/k/v + gate/up) per decode step, at most FUSED_ROWS rows each; never for prefill.
-    assert len(calls) >= 4 * 9 and all(s[-2] <= fused_projections.FUSED_ROWS for s in calls)
+    # 2 layers x (q/k/v + gate/up) per decode step, at most FUSED_ROWS rows each; prefill only in VNNI pairs.
+    prefill = [s for s in calls if s[-2] > fused_projections.FUSED_ROWS]
+    assert len(calls) >= 4 * 9 and (len(prefill) >= 4 if vnni == "on" else not prefill)
     tol = 1e-4 if dtype == "float32" else 0.1
     for a, b in zip(runs[True], runs[False]):
         assert a.token_ids == b.token_ids

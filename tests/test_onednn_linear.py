@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedcore import LLM, SamplingParams, fused_projections, onednn_linear, packed_linear
+from pagedcore import LLM, SamplingParams, fused_projections, onednn_linear, packed_linear, vnni_layout
+
+
+@pytest.fixture(autouse=True)
+def panels_layout(monkeypatch):
+    """oneDNN's copy sits beside the panels: with the VNNI pairs (AMX CPUs' default) there is none."""
+    monkeypatch.setattr(vnni_layout, "SETTING", "off")
 
 
 @pytest.fixture

@@ -16,6 +16,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight", &pack_linear_weight, "W [N, K] -> panels [ceil(N/16), K, 16], same dtype");
   m.def("packed_linear", &packed_linear, "x @ W^T (+ bias) over a packed weight; fp32 accumulation",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none());
+  m.def("pack_linear_weight_vnni", &pack_linear_weight_vnni,
+        "bf16 W [N, K] (K a multiple of 32) -> VNNI pairs [ceil(N/16), K/2, 32] for packed_linear (AMX tiles)");
+  m.def("vnni_amx", &vnni_amx, "whether AMX tiles run here (the CPU has them and the OS granted their state)");
   m.def("pack_int4_weight", &pack_int4_weight,
         "q uint8 [N, K], scale/min (or scale/zero point) [N, K/G] -> int4 panels, scale/min panels");
   m.def("packed_linear_int4", &packed_linear_int4,

@@ -75,7 +75,8 @@ StackLinear make_linear(torch::Tensor packed, c10::optional<torch::Tensor> scale
   l.keep.push_back(packed);
   const void* sm = nullptr;
   bool half_scales = false;
-  int64_t K = packed.size(1);
+  const bool vnni = packed_is_vnni(packed);
+  int64_t K = vnni ? 2 * packed.size(1) : packed.size(1);
   if (packed.scalar_type() == at::kByte || packed.scalar_type() == at::kChar) {  // int4 / int8 codes
     TORCH_CHECK(scale_min.has_value() && scale_min->is_contiguous() &&
                     (scale_min->scalar_type() == at::kFloat || scale_min->scalar_type() == at::kHalf),
@@ -97,7 +98,7 @@ StackLinear make_linear(torch::Tensor packed, c10::optional<torch::Tensor> scale
   }
   TORCH_CHECK(packed.size(0) * 16 >= out_features, "out_features larger than the packed weight");
   l.w = {packed.scalar_type(), packed.data_ptr(), sm, pb, out_features, K, group_size, int8_rows, half_scales,
-         zero_point};
+         zero_point, vnni};
   return l;
 }
 
@@ -123,7 +124,7 @@ class DecodeStack {
     if (!layers_.empty()) {  // one GemmInput per projection serves every layer
       const StackLayer& f = layers_.front();
       auto same = [](const PackedWeight& a, const PackedWeight& b) {
-        return a.type == b.type && a.group_size == b.group_size && a.int8_rows == b.int8_rows;
+        return a.type == b.type && a.vnni == b.vnni && a.group_size == b.group_size && a.int8_rows == b.int8_rows;
       };
       TORCH_CHECK(same(f.qkv.w, l.qkv.w) && same(f.o.w, l.o.w) && same(f.gate_up.w, l.gate_up.w) &&
                       same(f.down.w, l.down.w) && f.k_cache.sizes() == l.k_cache.sizes() &&

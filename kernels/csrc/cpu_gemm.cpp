@@ -788,6 +788,7 @@ torch::Tensor run_packed(const torch::Tensor& x, PackedWeight w, const c10::opti
 }  // namespace
 
 void gemm_input_resize(const PackedWeight& w, int64_t M, GemmInput& in) {
+  if (w.vnni) return vnni_input_resize(w, M, in);
   const int64_t K = w.K;
   in.M = M;
   in.int8 = (w.type == at::kByte || w.type == at::kChar) && M <= w.int8_rows && w.group_size % QB == 0;
@@ -804,6 +805,7 @@ int64_t gemm_input_tiles(const GemmInput& in) { return in.int8 ? in.M : (in.M + 
 
 void gemm_input_fill(const PackedWeight& w, at::ScalarType x_type, const void* x, GemmInput& in, int64_t t0,
                      int64_t t1) {
+  if (w.vnni) return vnni_input_fill(w, x_type, x, in, t0 * MR, t1 * MR);
   if (x_type == at::kFloat) return fill_input(w, static_cast<const float*>(x), in, t0, t1);
   TORCH_CHECK(x_type == at::kBFloat16, "x: float32 or bfloat16");
   fill_input(w, static_cast<const c10::BFloat16*>(x), in, t0, t1);
@@ -811,6 +813,7 @@ void gemm_input_fill(const PackedWeight& w, at::ScalarType x_type, const void* x
 
 void gemm_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0, int64_t p1,
                  std::vector<float>& wbuf) {
+  if (w.vnni) return vnni_panels(w, in, x_type, y, p0, p1);
   if (x_type == at::kFloat) return panels_of(w, in, static_cast<float*>(y), p0, p1, wbuf);
   TORCH_CHECK(x_type == at::kBFloat16, "x: float32 or bfloat16");
   panels_of(w, in, static_cast<c10::BFloat16*>(y), p0, p1, wbuf);
@@ -856,11 +859,15 @@ torch::Tensor pack_linear_weight(torch::Tensor weight) {
 }
 
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NR && packed.is_contiguous(), "packed: [panels, K, 16]");
-  const int64_t K = packed.size(1), N = out_features;
+  const bool vnni = packed_is_vnni(packed);
+  TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == NR || vnni) && packed.is_contiguous(),
+              "packed: [panels, K, 16] panels or bf16 [panels, K / 2, 32] VNNI pairs");
+  const int64_t K = vnni ? 2 * packed.size(1) : packed.size(1), N = out_features;
   TORCH_CHECK(x.size(-1) == K, "x's last dimension must be the weight's in_features");
   TORCH_CHECK(packed.size(0) * NR >= N, "out_features larger than the packed weight");
-  return run_packed(x, {packed.scalar_type(), packed.data_ptr(), nullptr, nullptr, N, K, 0, 0}, bias);
+  PackedWeight w{packed.scalar_type(), packed.data_ptr(), nullptr, nullptr, N, K, 0, 0};
+  w.vnni = vnni;
+  return run_packed(x, w, bias);
 }
 
 // q: uint8 [N, K] values 0..15; scale, min: fp32 [N, K / G]. Returns (q panels uint8 [panels, K

@@ -50,8 +50,14 @@ struct PackedWeight {
   int64_t N, K, group_size, int8_rows;
   bool half_scales = false;  // scale_min holds fp16
   bool zero_point = false;   // fp16 (scale, zero point z) pairs: min = -z * scale
+  bool vnni = false;         // kBFloat16 in the VNNI pair layout (cpu_gemm_vnni.cpp), not panels
   int64_t panels() const { return (N + 15) / 16; }
 };
+
+// A bf16 weight in the VNNI pair layout [panels, K / 2, 32] (panels are [panels, K, 16]).
+inline bool packed_is_vnni(const torch::Tensor& p) {
+  return p.dim() == 3 && p.scalar_type() == at::kBFloat16 && p.size(2) == 32;
+}
 
 // x prepared once per call for every panel: fp32 row tiles, or int8 blocks for the int4 decode kernel.
 struct GemmInput {
@@ -59,6 +65,8 @@ struct GemmInput {
   bool int8 = false;
   std::vector<float> xp, d, xs;
   std::vector<int8_t> xq;
+  std::vector<c10::BFloat16> xb;  // VNNI weights: x in bf16 rows (whole 16-row tiles where AMX runs)
+  bool amx = false;
 };
 
 // Size `in` for M rows of x against w; then fill it by tiles [t0, t1) of gemm_input_tiles(...).
@@ -66,6 +74,13 @@ void gemm_input_resize(const PackedWeight& w, int64_t M, GemmInput& in);
 int64_t gemm_input_tiles(const GemmInput& in);
 void gemm_input_fill(const PackedWeight& w, at::ScalarType x_type, const void* x, GemmInput& in, int64_t t0,
                      int64_t t1);
+// The same for weights in the VNNI pair layout (cpu_gemm_vnni.cpp), which the functions above call: fill takes
+// rows [r0, r1) here.
+void vnni_input_resize(const PackedWeight& w, int64_t M, GemmInput& in);
+void vnni_input_fill(const PackedWeight& w, at::ScalarType x_type, const void* x, GemmInput& in, int64_t r0,
+                     int64_t r1);
+void vnni_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0, int64_t p1);
+bool vnni_amx();  // whether AMX tiles run here (cpuid, and the OS granted the tile state)
 // y[:, panels p0..p1) for all M rows; y [M, N] in x_type. wbuf: the thread's scratch.
 void gemm_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0, int64_t p1,
                  std::vector<float>& wbuf);

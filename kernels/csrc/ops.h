@@ -36,6 +36,9 @@ torch::Tensor sample_inverse_cdf(torch::Tensor probs, torch::Tensor u);
 // cpu_gemm.cpp
 torch::Tensor pack_linear_weight(torch::Tensor weight);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias);
+// cpu_gemm_vnni.cpp
+torch::Tensor pack_linear_weight_vnni(torch::Tensor weight);
+bool vnni_amx();
 std::tuple<torch::Tensor, torch::Tensor> pack_int4_weight(torch::Tensor q, torch::Tensor scale, torch::Tensor min,
                                                          int64_t group_size);
 torch::Tensor packed_linear_int4(torch::Tensor x, torch::Tensor q, torch::Tensor sm, int64_t out_features,

@@ -1,0 +1,254 @@
+// bf16 linears over weights in the VNNI pair layout, for CPUs with AMX tiles.
+//
+// Why: the 16-column panels of cpu_gemm.cpp widen bf16 to fp32 and multiply with FMA (~0.2 TFLOP/s on 2
+// cores); AMX multiplies bf16 tiles at 5-15x that. oneDNN's pre-packed matmul got there past a few rows but
+// needs its own copy of every weight beside the panels, and runs outside the decode stack's parallel region
+// (a fork per call). This layout serves every row count from one copy, inside the stack:
+//   panel p (16 output columns) = K / 32 tiles of [16 input pairs][16 columns][2 inputs] bf16 (1 KiB),
+// an AMX B tile as is. x is copied into whole 16-row tiles (GemmInput::xb, padding rows zero). Even one row
+// runs the tiles: they streamed the weights faster than the panels (measured 8.9 vs 10.2 ms for a decode
+// step's 212 MB, 1-2 rows; vdpbf16ps over the same layout 12.5). Up to 16 rows, four panels per pass read x's
+// tile once per input step; more rows run two panels x two row tiles.
+// CPUs without AMX run a scalar loop over the same layout (the engine picks the layout only where AMX runs;
+// the loop keeps every path testable). Products of bf16 are exact in fp32 and accumulated in fp32; the result
+// rounds once to x's dtype: results equal the panels' up to the order of the fp32 sums.
+#include "ops.h"
+#include "decode_stack_parts.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t NR = 16;       // output columns per panel
+constexpr int64_t KT = 32;       // inputs per tile (16 pairs)
+constexpr int64_t TILE = 16 * 32;  // bf16 per weight tile
+constexpr int64_t PF = 8;        // weight tiles prefetched ahead (8 KiB)
+
+#if defined(__x86_64__)
+inline void cpuid(int leaf, int sub, unsigned r[4]) {
+  __asm__ volatile("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3]) : "a"(leaf), "c"(sub));
+}
+bool detect_amx() {
+  unsigned r[4];
+  cpuid(0, 0, r);
+  if (r[0] < 7) return false;
+  cpuid(7, 0, r);
+  const bool tile = r[3] & (1u << 24), bf16 = r[3] & (1u << 22);
+  // Linux hands out the 8 KiB tile state only on request (once per process, for every thread).
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  return tile && bf16 && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+#else
+bool detect_amx() { return false; }
+#endif
+
+// A computed block (fp32, row stride ldc) into y rows [0, rows), columns [n0, n0 + cols), plus bias, rounded once.
+template <typename X>
+inline void store_block(const float* c, int64_t ldc, int64_t rows, int64_t cols, const float* bias, int64_t n0, X* y,
+                        int64_t N) {
+  for (int64_t r = 0; r < rows; ++r) {
+    X* out = y + r * N + n0;
+    const float* cr = c + r * ldc;
+    for (int64_t j = 0; j < cols; ++j) out[j] = static_cast<X>(bias ? cr[j] + bias[n0 + j] : cr[j]);
+  }
+}
+
+// ---- scalar: any CPU ---------------------------------------------------------------------------------
+template <typename X>
+void scalar_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1) {
+  const int64_t K = w.K, N = w.N;
+  const auto* W = static_cast<const c10::BFloat16*>(w.w);
+  float c[NR];
+  for (int64_t p = p0; p < p1; ++p) {
+    const c10::BFloat16* panel = W + p * K * NR;
+    const int64_t n0 = p * NR, cols = std::min(NR, N - n0);
+    for (int64_t m = 0; m < in.M; ++m) {
+      const c10::BFloat16* a = in.xb.data() + m * K;
+      std::fill(c, c + NR, 0.f);
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t j = 0; j < NR; ++j) c[j] += float(a[k]) * float(panel[(k / 2) * 2 * NR + 2 * j + k % 2]);
+      store_block(c, NR, 1, cols, w.bias, n0, y + m * N, N);
+    }
+  }
+}
+
+#if defined(__x86_64__)
+// ---- AMX tiles -------------------------------------------------------------------------------------- ------------------------------------------------------------------
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows x 64 bytes: C tiles 16 x 16 fp32, A tiles 16 rows x 32 bf16, B tiles 16 pairs x 16 x 2.
+__attribute__((target("amx-tile"))) void config_tiles() {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// C tiles 0-3; A tiles 4-5; B tiles 6-7. Tile numbers are immediates, hence one function per shape.
+// Four panels x one row tile (<= 16 rows): x's tile loaded once per k, the weight streamed once.
+__attribute__((target("amx-tile,amx-bf16"), noinline)) void amx_4x1(const c10::BFloat16* a, const c10::BFloat16* w,
+                                                                    int64_t K, float* c) {
+  const int64_t ks = K / KT, ps = ks * TILE;  // tiles per panel, bf16 per panel
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int64_t k = 0; k < ks; ++k) {
+    for (int q = 0; q < 4; ++q)  // a line or two per panel starts the hardware's stream
+      for (int l = 0; l < 1024; l += 512)
+        _mm_prefetch(reinterpret_cast<const char*>(w + q * ps + (k + PF / 2) * TILE) + l, _MM_HINT_T0);
+    _tile_loadd(4, a + k * KT, K * 2);
+    _tile_loadd(6, w + k * TILE, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, w + ps + k * TILE, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(6, w + 2 * ps + k * TILE, 64);
+    _tile_dpbf16ps(2, 4, 6);
+    _tile_loadd(7, w + 3 * ps + k * TILE, 64);
+    _tile_dpbf16ps(3, 4, 7);
+  }
+  _tile_stored(0, c, 4 * 64);
+  _tile_stored(1, c + 16, 4 * 64);
+  _tile_stored(2, c + 32, 4 * 64);
+  _tile_stored(3, c + 48, 4 * 64);
+}
+
+// Two panels x two row tiles (32 rows): each loaded tile feeds two products.
+__attribute__((target("amx-tile,amx-bf16"), noinline)) void amx_2x2(const c10::BFloat16* a, const c10::BFloat16* w,
+                                                                    int64_t K, float* c, bool prefetch) {
+  const int64_t ks = K / KT, ps = ks * TILE;
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int64_t k = 0; k < ks; ++k) {
+    if (prefetch)
+      for (int q = 0; q < 2; ++q)
+        for (int l = 0; l < 1024; l += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(w + q * ps + (k + PF / 2) * TILE) + l, _MM_HINT_T0);
+    _tile_loadd(6, w + k * TILE, 64);
+    _tile_loadd(7, w + ps + k * TILE, 64);
+    _tile_loadd(4, a + k * KT, K * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a + 16 * K + k * KT, K * 2);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, 2 * 64);
+  _tile_stored(1, c + 16, 2 * 64);
+  _tile_stored(2, c + 16 * 32, 2 * 64);
+  _tile_stored(3, c + 16 * 32 + 16, 2 * 64);
+}
+
+// One panel x one row tile: what is left over.
+__attribute__((target("amx-tile,amx-bf16"), noinline)) void amx_1x1(const c10::BFloat16* a, const c10::BFloat16* w,
+                                                                    int64_t K, float* c) {
+  const int64_t ks = K / KT;
+  _tile_zero(0);
+  for (int64_t k = 0; k < ks; ++k) {
+    _tile_loadd(6, w + k * TILE, 64);
+    _tile_loadd(4, a + k * KT, K * 2);
+    _tile_dpbf16ps(0, 4, 6);
+  }
+  _tile_stored(0, c, 64);
+}
+
+template <typename X>
+void amx_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1) {
+  const int64_t K = w.K, N = w.N, M = in.M, ps = K * NR;
+  const auto* W = static_cast<const c10::BFloat16*>(w.w);
+  const c10::BFloat16* A = in.xb.data();
+  alignas(64) float c[32 * 64];
+  config_tiles();
+  auto store = [&](const float* blk, int64_t ldc, int64_t m0, int64_t rows, int64_t p) {
+    rows = std::min(rows, M - m0);
+    if (rows > 0) store_block(blk, ldc, rows, std::min(NR, N - p * NR), w.bias, p * NR, y + m0 * N, N);
+  };
+  int64_t p = p0;
+  if (M <= 16) {
+    for (; p + 4 <= p1; p += 4) {
+      amx_4x1(A, W + p * ps, K, c);
+      for (int q = 0; q < 4; ++q) store(c + q * 16, 64, 0, 16, p + q);
+    }
+  } else {
+    for (; p + 2 <= p1; p += 2)
+      for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        if (m0 + 16 >= M) {  // one row tile left
+          for (int q = 0; q < 2; ++q) {
+            amx_1x1(A + m0 * K, W + (p + q) * ps, K, c);
+            store(c, 16, m0, 16, p + q);
+          }
+          continue;
+        }
+        amx_2x2(A + m0 * K, W + p * ps, K, c, m0 == 0);
+        for (int q = 0; q < 2; ++q) store(c + q * 16, 32, m0, 32, p + q);
+      }
+  }
+  for (; p < p1; ++p)
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+      amx_1x1(A + m0 * K, W + p * ps, K, c);
+      store(c, 16, m0, 16, p);
+    }
+}
+#endif
+
+template <typename X>
+void panels_of(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1) {
+#if defined(__x86_64__)
+  if (in.amx) return amx_panels(w, in, y, p0, p1);
+#endif
+  scalar_panels(w, in, y, p0, p1);
+}
+
+template <typename X>
+void fill_rows(const X* x, int64_t K, c10::BFloat16* xb, int64_t r0, int64_t r1) {
+  if constexpr (std::is_same_v<X, c10::BFloat16>) {
+    std::memcpy(xb + r0 * K, x + r0 * K, (r1 - r0) * K * sizeof(X));
+  } else {
+    for (int64_t i = r0 * K; i < r1 * K; ++i) xb[i] = c10::BFloat16(x[i]);  // round to nearest even
+  }
+}
+}  // namespace
+
+bool vnni_amx() {
+  static const bool yes = detect_amx();
+  return yes;
+}
+
+void vnni_input_resize(const PackedWeight& w, int64_t M, GemmInput& in) {
+  in.M = M;
+  in.int8 = false;
+  in.amx = vnni_amx();
+  // AMX reads whole 16-row tiles: rows past M stay zero (their results are never stored).
+  const int64_t rows = in.amx ? (M + 15) / 16 * 16 : M;
+  in.xb.assign(rows * w.K, c10::BFloat16(0.f));
+}
+
+void vnni_input_fill(const PackedWeight& w, at::ScalarType x_type, const void* x, GemmInput& in, int64_t r0,
+                     int64_t r1) {
+  r1 = std::min(r1, in.M);
+  if (r0 >= r1) return;
+  if (x_type == at::kFloat) return fill_rows(static_cast<const float*>(x), w.K, in.xb.data(), r0, r1);
+  TORCH_CHECK(x_type == at::kBFloat16, "x: float32 or bfloat16");
+  fill_rows(static_cast<const c10::BFloat16*>(x), w.K, in.xb.data(), r0, r1);
+}
+
+void vnni_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0, int64_t p1) {
+  if (x_type == at::kFloat) return panels_of(w, in, static_cast<float*>(y), p0, p1);
+  TORCH_CHECK(x_type == at::kBFloat16, "x: float32 or bfloat16");
+  panels_of(w, in, static_cast<c10::BFloat16*>(y), p0, p1);
+}
+
+// out[p][kp][2c + t] = w[16p + c][2kp + t]; padding columns zero.
+torch::Tensor pack_linear_weight_vnni(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "VNNI weights: bfloat16 [N, K]");
+  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + NR - 1) / NR;
+  TORCH_CHECK(K % KT == 0, "VNNI weights: in_features a multiple of 32");
+  auto padded = torch::zeros({panels * NR, K}, weight.options());
+  padded.narrow(0, 0, N).copy_(weight);
+  return padded.view({panels, NR, K / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({panels, K / 2, 2 * NR});
+}

@@ -1,0 +1,142 @@
+"""bf16 linears over weights in VNNI pairs (pagedcore/vnni_layout.py, kernels/csrc/cpu_gemm_vnni.cpp): AMX tiles
+where the CPU has them, else the scalar loop over the same layout, so these hold on any CI machine. Which one ran
+is in the test ids' `amx` (ext.vnni_amx())."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedcore import LLM, SamplingParams, fused_projections, onednn_linear, packed_linear, vnni_layout
+
+ROW_COUNTS = [1, 2, 3, 15, 16, 17, 31, 32, 33, 64, 100, 200]  # 16-row tiles, 32-row blocks and their edges
+
+
+@pytest.fixture
+def pairs(monkeypatch):
+    monkeypatch.setattr(vnni_layout, "SETTING", "on")
+    monkeypatch.setattr(onednn_linear, "ROWS", None)
+
+
+def _rounded_once(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The fp32 product rounded once to bf16: within half a bf16 ulp of the float64 product, plus fp32 sums'
+    error, and equal to it rounded in all but rare last-bit ties."""
+    assert not torch.isnan(got).any()
+    assert (got.double() - want).abs().max() <= want.abs().max() * 2 ** -8
+    assert (got != want.bfloat16()).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("m", ROW_COUNTS)
+@pytest.mark.parametrize("n,k,bias", [(40, 64, True), (200, 96, False), (96, 1536, True)])
+def test_op_is_fp32_math_rounded_once(ext, m, n, k, bias):
+    torch.manual_seed(m + n)
+    w = torch.randn(n, k, dtype=torch.bfloat16)
+    b = torch.randn(n) if bias else None
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    packed = ext.pack_linear_weight_vnni(w)
+    assert packed.shape == ((n + 15) // 16, k // 2, 32) and vnni_layout.is_packed(packed)
+    got = ext.packed_linear(x, packed, n, b)
+    want = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    _rounded_once(got, want)
+    # the panels' op: the same sums in another order
+    panels = ext.packed_linear(x, ext.pack_linear_weight(w), n, b)
+    assert (got.float() - panels.float()).abs().max() <= want.abs().max() * 2 ** -7
+
+
+def test_fp32_input_is_rounded_to_bf16(ext):
+    """An fp32 x meets bf16 tiles rounded to bf16 (to nearest even), the output in fp32."""
+    torch.manual_seed(1)
+    w, x = torch.randn(48, 64, dtype=torch.bfloat16), torch.randn(5, 64)
+    got = ext.packed_linear(x, ext.pack_linear_weight_vnni(w), 48, None)
+    want = x.bfloat16().double() @ w.double().T
+    assert got.dtype == torch.float32
+    assert (got.double() - want).abs().max() <= want.abs().max() * 2 ** -20
+
+
+def test_leading_dims_strided_input_and_nan(ext, pairs):
+    linear = torch.nn.Linear(64, 48, dtype=torch.bfloat16)
+    packed_linear.install(linear, torch.device("cpu"))
+    assert vnni_layout.is_packed(linear._pagedcore_packed)
+    x = torch.randn(2, 20, 128, dtype=torch.bfloat16)[..., :64]
+    x[1, 2, 3] = float("nan")
+    with torch.inference_mode():
+        got = linear(x)
+    want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
+    assert got.shape == (2, 20, 48)
+    assert torch.isnan(got[1, 2]).all() and not torch.isnan(got[0]).any() and not torch.isnan(got[1, 3:]).any()
+    assert torch.allclose(got[0].float(), want[0], atol=0.05, rtol=0.01)
+
+
+def test_which_weights_take_the_pairs(ext, pairs, monkeypatch):
+    """bf16 with in_features a multiple of 32 (a tile's depth); fp32 and other widths keep the panels; off: none."""
+    layers = {"bf16": torch.nn.Linear(64, 40, dtype=torch.bfloat16), "fp32": torch.nn.Linear(64, 40),
+              "width": torch.nn.Linear(48, 40, dtype=torch.bfloat16)}
+    for linear in layers.values():
+        packed_linear.install(linear, torch.device("cpu"))
+    assert {k: vnni_layout.is_packed(v._pagedcore_packed) for k, v in layers.items()} == {
+        "bf16": True, "fp32": False, "width": False}
+    monkeypatch.setattr(vnni_layout, "SETTING", "off")
+    assert not vnni_layout.applies(ext, torch.zeros(8, 64, dtype=torch.bfloat16))
+    monkeypatch.setattr(vnni_layout, "SETTING", "auto")
+    assert vnni_layout.applies(ext, torch.zeros(8, 64, dtype=torch.bfloat16)) == ext.vnni_amx()
+
+
+def test_bad_shapes_and_settings_are_clear_errors(ext):
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ext.pack_linear_weight_vnni(torch.zeros(16, 48, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ext.pack_linear_weight_vnni(torch.zeros(16, 64))
+    packed = ext.pack_linear_weight_vnni(torch.zeros(16, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="in_features"):
+        ext.packed_linear(torch.zeros(2, 32, dtype=torch.bfloat16), packed, 16, None)
+    with pytest.raises(ValueError, match="PAGEDCORE_VNNI"):
+        vnni_layout._setting("yes")
+
+
+def test_tied_embedding_reads_its_rows_from_the_pairs(ext, pairs):
+    """With the dense weight released, a tied input embedding looks its rows up in the LM head's pairs."""
+    torch.manual_seed(0)
+    weight = torch.randn(50, 64, dtype=torch.bfloat16)
+    packed = ext.pack_linear_weight_vnni(weight)
+    ids = torch.tensor([[0, 17, 49], [3, 16, 15]])
+    assert torch.equal(vnni_layout.rows(packed, ids), weight[ids])
+
+
+def test_engine_same_tokens_as_the_panels(ext, tiny_model_dir, monkeypatch):
+    """bf16 engine, every linear in pairs against the panels: the same greedy tokens and logprobs to bf16's
+    tolerance over prefill and batches of 1, 2 and 5 (the decode stack and layer by layer), every block back."""
+    monkeypatch.setattr(onednn_linear, "ROWS", None)
+    prompts = [[5 + i for i in range(n)] for n in (3, 20, 41, 9, 14)]
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=2)
+    runs = {}
+    for setting in ("off", "on"):
+        monkeypatch.setattr(vnni_layout, "SETTING", setting)
+        for stack in (True, False):
+            llm = LLM(str(tiny_model_dir("llama")), dtype="bfloat16", num_kv_blocks=64, decode_stack=stack)
+            fused = fused_projections.installed(llm.engine.model)
+            assert fused and all(vnni_layout.is_packed(f.spec[0]) == (setting == "on") for f in fused)
+            out = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+            out += [o.outputs[0] for o in llm.generate(prompts[:2], params, use_tqdm=False)]
+            out += [o.outputs[0] for o in llm.generate(prompts[:1], params, use_tqdm=False)]
+            assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+            runs[setting, stack] = out
+    for key in (("on", True), ("on", False), ("off", False)):
+        for a, b in zip(runs["off", True], runs[key]):
+            assert a.token_ids == b.token_ids, key
+            for tok, sa, sb in zip(a.token_ids, a.logprobs, b.logprobs):
+                assert abs(sa[tok].logprob - sb[tok].logprob) < 0.1, key
+
+
+def test_weights_resident_once(ext, tiny_model_dir, monkeypatch):
+    """The pairs replace the panels (same bytes, as whole tiles) and no oneDNN copy sits beside them."""
+    from pagedcore.bench import weights
+
+    monkeypatch.setattr(onednn_linear, "ROWS", None)
+    totals = {}
+    for setting in ("off", "on"):
+        monkeypatch.setattr(vnni_layout, "SETTING", setting)
+        llm = LLM(str(tiny_model_dir("llama")), dtype="bfloat16", num_kv_blocks=16)
+        assert all(getattr(m, "_pagedcore_onednn", None) is None for m in llm.engine.model.modules())
+        totals[setting] = weights.weight_bytes("", llm.engine.model).linear
+    assert totals["on"] == totals["off"]
