@@ -1,6 +1,6 @@
 """bf16 linears over weights in VNNI pairs (pagedcore/vnni_layout.py, kernels/csrc/cpu_gemm_vnni.cpp): AMX tiles
-where the CPU has them, else the scalar loop over the same layout, so these hold on any CI machine. Which one ran
-is in the test ids' `amx` (ext.vnni_amx())."""
+where the CPU has them (ext.vnni_amx()), else the scalar loop over the same layout, so these hold on any CI
+machine."""
 
 from __future__ import annotations
 
