@@ -12,9 +12,10 @@ that replaces a projection or a layer's forward afterwards (a LoRA layer, a plug
 steps it does not run (prefill rows, a quantized KV cache, another attention backend): those go layer by
 layer. `EngineConfig.decode_stack=False` turns it off altogether.
 
-On CPUs with AMX tiles (onednn_linear.py), from onednn_linear.ROWS rows the stack runs each linear through
-oneDNN's pre-packed matmul between parallel regions (oneDNN parallelises by itself), the same weights the
-layers would run: a 64-row bf16 step 50 -> 40 ms against layer by layer.
+On CPUs with AMX tiles bf16 weights are in VNNI pairs (vnni_layout.py) and the stack runs them through AMX
+tiles in its region, as it runs the panels. With the pairs off there, from onednn_linear.ROWS rows it runs each
+linear through oneDNN's pre-packed matmul between parallel regions (oneDNN parallelises by itself), the same
+weights the layers would run: a 64-row bf16 step 50 -> 40 ms against layer by layer.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedcore import fused_projections, lean_layers, onednn_linear, quantization
+from pagedcore import fused_projections, lean_layers, onednn_linear, quantization, vnni_layout
 from pagedcore.kernels import cpu_ext, kv_quant
 from pagedcore.kernels.cpu_attention import ExtDecodePlan, _ext_plan
 from pagedcore.quantization import Int4Linear, Int8Linear
@@ -72,11 +73,13 @@ class DecodeStack:
         # From onednn_linear.ROWS rows the layers' matmuls run oneDNN (AMX CPUs), faster there than the panels:
         # the stack runs them itself where every layer has them, else it gives way to the layers.
         onednn = [_onednn_linears(layer) for layer in self.base.layers]
-        self.onednn_rows = onednn_linear.ROWS if all(onednn) and onednn_linear.ROWS is not None else 0
+        packed = (getattr(m, "_pagedcore_packed", None) for m in self.base.layers.modules())
+        rows = onednn_linear.min_rows(any(p is not None and vnni_layout.is_packed(p) for p in packed))
+        self.onednn_rows = rows if all(onednn) and rows is not None else 0
         for i, linears in enumerate(onednn if self.onednn_rows else ()):
             self.stack.add_onednn(i, linears)
         partial = any(onednn) or any(getattr(i.module, "_pagedcore_onednn", None) is not None for i in self.installed)
-        self.max_rows = onednn_linear.ROWS - 1 if partial and not self.onednn_rows and onednn_linear.ROWS else None
+        self.max_rows = rows - 1 if partial and not self.onednn_rows and rows else None
 
     @classmethod
     def build(cls, model: nn.Module, kv_caches: list, backend, device: torch.device) -> "DecodeStack | None":

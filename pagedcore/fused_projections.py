@@ -126,8 +126,10 @@ def _fuse_packed(ext, members: list[nn.Linear], widths: tuple[int, ...]) -> Fuse
         for m in members:
             m._pagedcore_onednn = None
 
+    vnni = vnni_layout.is_packed(packed)
+
     def run(x: torch.Tensor) -> torch.Tensor:
-        if onednn_linear.runs(x, onednn):
+        if onednn_linear.runs(x, onednn, vnni):
             return onednn_linear.linear(x, onednn, bias)
         return ext.packed_linear(x, packed, total, bias)
 

@@ -1,4 +1,6 @@
-"""bf16 linears past a few rows through oneDNN's pre-packed matmul, on CPUs with AMX tiles.
+"""bf16 linears past a few rows through oneDNN's pre-packed matmul, on CPUs with AMX tiles: from 3 rows beside
+the panels, from PREFILL_ROWS beside the VNNI pairs (vnni_layout.py, the default there), whose own AMX kernel is
+as fast up to ~100 rows and slower for prefill.
 
 The panels of packed_linear.py widen bf16 to fp32 and multiply with FMA (~0.2 TFLOP/s on 2 cores). A CPU
 with AMX (Intel Sapphire Rapids and later) multiplies bf16 in tiles: oneDNN reached 2-3 TFLOP/s on 2 cores
@@ -19,6 +21,9 @@ import torch
 # Rows from which a bf16 linear runs oneDNN (None: never). `PAGEDCORE_ONEDNN`: "auto" (AMX CPUs, from
 # MIN_ROWS rows), "off", or a row count (any CPU: oneDNN runs without AMX too, slower; the tests use it).
 MIN_ROWS = 3  # measured: the panels ran 1-2 rows faster (12.8 vs 15.1 ms a step), 3 rows 1.5x slower
+# Measured against the VNNI pairs' AMX kernel over a step's linears: 64 rows 16.0 vs 16.3 ms, 128 rows 23.4 vs 22.7,
+# 512 rows 75 vs 60 (bench throughput's prefill-heavy mix: 615-623 tok/s on the pairs alone, 663-678 before them).
+PREFILL_ROWS = 128
 
 
 def _rows_from(setting: str) -> int | None:
@@ -46,9 +51,16 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
 
 
-def runs(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
-    """Whether `x` goes through oneDNN: a pre-packed weight and at least ROWS rows."""
-    return packed is not None and ROWS is not None and x.numel() >= ROWS * x.shape[-1]
+def min_rows(vnni: bool) -> int | None:
+    """From how many rows a weight with a oneDNN copy runs it: ROWS beside panels; beside VNNI pairs (AMX tiles
+    of our own, vnni_layout.py), only from PREFILL_ROWS, where oneDNN's blocking multiplies faster."""
+    return None if ROWS is None else max(ROWS, PREFILL_ROWS) if vnni else ROWS
+
+
+def runs(x: torch.Tensor, packed: torch.Tensor | None, vnni: bool = False) -> bool:
+    """Whether `x` goes through oneDNN: a pre-packed weight and at least min_rows(vnni) rows."""
+    rows = min_rows(vnni)
+    return packed is not None and rows is not None and x.numel() >= rows * x.shape[-1]
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

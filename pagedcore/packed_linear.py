@@ -97,7 +97,7 @@ def _patch(ext, module: nn.Linear) -> installs.Undo:
     bias = None if module.bias is None else module.bias.detach()
     original = type(module).forward
     module._pagedcore_packed = packed
-    module._pagedcore_onednn = None if vnni else onednn_linear.prepack(module.weight)
+    module._pagedcore_onednn = onednn_linear.prepack(module.weight)
 
     dtype = packed.dtype  # not the tensor itself: the closure must not keep a replaced weight alive
 
@@ -110,7 +110,7 @@ def _patch(ext, module: nn.Linear) -> installs.Undo:
         # Both looked up per call: fused_projections.py may re-point the panels at a slice of a fused weight,
         # and drop the oneDNN copy for the fused one.
         onednn = module._pagedcore_onednn
-        if onednn_linear.runs(x, onednn):
+        if onednn_linear.runs(x, onednn, vnni):
             return onednn_linear.linear(x, onednn, bias)
         return ext.packed_linear(x, module._pagedcore_packed, out_features, bias)
 

@@ -140,3 +140,21 @@ def test_weights_resident_once(ext, tiny_model_dir, monkeypatch):
         assert all(getattr(m, "_pagedcore_onednn", None) is None for m in llm.engine.model.modules())
         totals[setting] = weights.weight_bytes("", llm.engine.model).linear
     assert totals["on"] == totals["off"]
+
+
+@pytest.mark.parametrize("m", [100, 200])
+def test_onednn_beside_the_pairs_only_for_prefill(ext, monkeypatch, m):
+    """oneDNN on (AMX CPUs' default, forced here): beside the pairs it keeps its copy for PREFILL_ROWS rows and
+    more, where its blocking multiplies faster; below, the pairs run. Either way the fp32 product rounded once."""
+    monkeypatch.setattr(vnni_layout, "SETTING", "on")
+    monkeypatch.setattr(onednn_linear, "ROWS", 3)
+    assert onednn_linear.min_rows(True) == onednn_linear.PREFILL_ROWS and onednn_linear.min_rows(False) == 3
+    torch.manual_seed(m)
+    linear = torch.nn.Linear(64, 48, dtype=torch.bfloat16)
+    packed_linear.install(linear, torch.device("cpu"))
+    assert vnni_layout.is_packed(linear._pagedcore_packed) and linear._pagedcore_onednn is not None
+    x = torch.randn(m, 64, dtype=torch.bfloat16)
+    assert onednn_linear.runs(x, linear._pagedcore_onednn, True) == (m >= onednn_linear.PREFILL_ROWS)
+    with torch.inference_mode():
+        got = linear(x)
+    _rounded_once(got, x.double() @ linear.weight.double().T + linear.bias.double())
