@@ -167,3 +167,32 @@ def test_cpu_write_kv_cache_matches_index_copy(ext, dtype):
     assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
     with pytest.raises(RuntimeError, match="out of range"):
         ext.write_kv_cache(key, value, caches[0], caches[1], slots + num_blocks * block_size)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_prefill_pads_prompts_for_sdpa(dtype, monkeypatch):
+    """Plain bf16/fp16 prompts reach SDPA zero-padded to a multiple of SDPA_ALIGN rows (its fast lengths),
+    fp32 ones unpadded; outputs match the reference with NaN in every unwritten cache slot."""
+    from pagedcore.kernels import cpu_attention
+
+    lengths = [2, 31, 32, 33, 63, 146]
+    seen = []
+    sdpa = cpu_attention.F.scaled_dot_product_attention
+
+    def recording(q, k, v, **kw):
+        seen.append((q.shape[2], k.shape[2]))
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(cpu_attention.F, "scaled_dot_product_attention", recording)
+    b = make_paged_batch(lengths, lengths, 9, 3, 64, 16, dtype, "cpu", seed=5)
+    b.write_new_tokens()
+    out = cpu_paged_attention(b.query, b.k_cache, b.v_cache, b.metadata, 0.125)
+    ref = ref_paged_attention(b.query, b.k_cache, b.v_cache, b.metadata, 0.125)
+    if dtype == torch.float32:  # runs no faster aligned: exactly the context
+        assert seen == [(n, n) for n in lengths]
+    else:
+        assert seen == [(cpu_attention._padded_len(n),) * 2 for n in lengths]
+        assert all(p % cpu_attention.SDPA_ALIGN == 0 and p - n < cpu_attention.SDPA_ALIGN
+                   for (p, _), n in zip(seen, lengths))
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < (2e-5 if dtype == torch.float32 else 2e-2)
