@@ -2,7 +2,8 @@
 64: the formats' common 128 does not divide the model's width of 576), with the same writers the format tests use, for `bench memory --weights`:
 
     .venv/bin/python benchmarks/quantized_checkpoints.py /tmp/pagedcore-quantized
-    .venv/bin/pagedcore bench memory --weights bundled --weights bundled@int4 --weights bundled@gguf \\
+    .venv/bin/pagedcore bench memory --weights bundled --weights bundled@int4 --weights bundled@int4:64 \\
+        --weights bundled@gguf \\
         --weights /tmp/pagedcore-quantized/gptq --weights /tmp/pagedcore-quantized/awq \\
         --weights /tmp/pagedcore-quantized/compressed-tensors --json benchmarks/results/weights.json
 

@@ -40,6 +40,9 @@ class EngineConfig:
     # None | "int4": weight-only int4 linears (CPU; single-stream speed) | "gguf": a GGUF's Q4_0/Q4_1/Q8_0
     # linears kept quantized as the file stores them. Pre-quantized HF checkpoints need none (config.json says)
     quantization: str | None = None
+    # int4's groups (inputs sharing one fp16 scale and min): 32 as GGUF's Q4_1 (the bundled file's own grid,
+    # recovered exactly), 64 or 128 for fewer scale bytes (linears whose width they do not divide stay 16-bit)
+    quantization_group_size: int = 32
     pack_weights: bool = True  # CPU: linears run over weights packed once at load (pagedcore/packed_linear.py)
     # CPU: decode steps of Llama-family models run the whole decoder stack as one C++ call (pagedcore/decode_stack.py)
     decode_stack: bool = True
@@ -112,6 +115,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quantization not in (None, "int4", "gguf"):
             raise ValueError(f"quantization must be None, 'int4' or 'gguf', got {self.quantization!r}")
+        if self.quantization_group_size not in (32, 64, 128):
+            raise ValueError(f"quantization_group_size must be 32, 64 or 128, got {self.quantization_group_size}")
         for name in ("max_concurrent_requests", "max_input_tokens", "max_total_tokens", "max_best_of",
                      "max_stop_sequences", "payload_limit", "max_json_depth", "max_consecutive_step_failures"):
             if getattr(self, name) is not None and getattr(self, name) < 1:

@@ -57,7 +57,8 @@ class LLMEngine:
         if self.config.quantization == "int4":
             from pagedcore.quantization import quantize_int4
 
-            logger.info("int4 weights: %d linear layers", quantize_int4(self.model, self.device))
+            logger.info("int4 weights: %d linear layers",
+                        quantize_int4(self.model, self.device, self.config.quantization_group_size))
         backend = hook.pagedcore_attention_backend(name=self.config.attention_backend, device=self.device)
         if backend is None:
             raise ValueError(f"no attention backend {self.config.attention_backend!r} for {self.device}")

@@ -1,4 +1,6 @@
 """Weight-only int4 linear layers (groups of 32, asymmetric) for the CPU, opt-in: `quantization="int4"`.
+`quantization_group_size=64` (or 128) trades a little accuracy for fewer scale bytes; a tied input embedding
+then reads its rows from the int4 LM head, so the whole model is 4-bit (README, "Quantized weights").
 
 Decode at small batch reads every weight once per step, so it is bound by memory traffic: 4-bit
 weights move ~3.5x fewer bytes than bf16 (this is why llama.cpp is fast on one stream). The kernel is
@@ -30,6 +32,7 @@ from pagedcore import installs
 from pagedcore.kernels import cpu_ext
 
 GROUP_SIZE = 32
+GROUP_SIZES = (32, 64, 128)  # multiples of the int8 activation blocks (32) the decode path quantizes x into
 
 
 def int8_activation_rows(setting: str) -> int:
@@ -105,7 +108,7 @@ class Int4Linear(nn.Module):
 
     def _pack(self, q, scale, lo, bias, dtype, group_size, device, zero=None) -> None:
         n, k = q.shape
-        self.in_features, self.out_features, self.group_size = k, n, group_size
+        self.in_features, self.out_features, self.group_size, self.dtype = k, n, group_size, dtype
         self.register_buffer("input_perm", None)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
         self.ext = cpu_ext.load() if device.type == "cpu" else None
@@ -127,6 +130,20 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         self.register_buffer("scales_and_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(dtype))
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the de-quantized weight [*ids.shape, in_features] in the layer's dtype, read from the
+        panels (pagedcore's kernel layout: row n is column n % 16 of panel n // 16, its codes the low (n % 16
+        < 8) or high nibbles of the quads' bytes): what an input embedding tied to this layer embeds."""
+        k, g = self.in_features, self.group_size
+        panel, column = ids // 16, ids % 16
+        quads = self.packed.view(self.packed.shape[0], -1, 8, 4)[panel, :, column % 8, :]  # [*ids, Kp / 4, 4]
+        codes = torch.where((column < 8)[..., None, None], quads & 15, quads >> 4)
+        codes = codes.reshape(*ids.shape, -1)[..., :k].view(*ids.shape, k // g, g).float()
+        scale_min = self.scales_and_zeros[panel, :, :, column].float()  # [*ids, K / G, 2]
+        scale, second = scale_min[..., 0], scale_min[..., 1]
+        lo = -second * scale if self.zero_point else second
+        return (codes * scale[..., None] + lo[..., None]).view(*ids.shape, k).to(self.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_perm is not None:
             x = x.index_select(-1, self.input_perm)
@@ -141,20 +158,31 @@ class Int4Linear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def quantize_int4(model: nn.Module, device: torch.device) -> int:
-    """Replace every nn.Linear the kernel can take (input width a multiple of the group size, output
-    width of 16); returns how many. A tracked model records the undo (the original linears, installs.py)."""
+def quantize_int4(model: nn.Module, device: torch.device, group_size: int = GROUP_SIZE) -> int:
+    """Replace every nn.Linear the kernel can take (input width a multiple of `group_size`, output width of
+    16); returns how many. An input embedding tied to a replaced layer (one Parameter with the LM head) then
+    looks its rows up in the int4 panels (`Int4Linear.rows`) and drops its 16-bit table. A tracked model
+    records the undo (the original linears, installs.py) and keeps its embedding as it is."""
     if device.type != "cpu":
         raise ValueError("quantization='int4' uses torch's CPU int4 kernel: run it on the CPU")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"int4 group size {group_size}; supported: {', '.join(map(str, GROUP_SIZES))}")
     dtype = next(model.parameters()).dtype
     targets = [(name, m) for name, m in model.named_modules()
-               if isinstance(m, nn.Linear) and m.in_features % GROUP_SIZE == 0 and m.out_features % 16 == 0]
+               if isinstance(m, nn.Linear) and m.in_features % group_size == 0 and m.out_features % 16 == 0]
+    embeddings = {id(m.weight): m for m in model.modules() if type(m) is nn.Embedding and m.max_norm is None}
+    tracked = installs.is_tracked(model)
     undos = []
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int4Linear(linear, dtype))
+        int4 = Int4Linear(linear, dtype, group_size)
+        setattr(parent, child, int4)
         undos.append(functools.partial(setattr, parent, child, linear))
+        embedding = embeddings.get(id(linear.weight))
+        if embedding is not None and not tracked and int4.ext is not None:
+            installs.set_forward(embedding, int4.rows)
+            embedding.weight = nn.Parameter(embedding.weight.new_empty(0), requires_grad=False)
     installs.record(model, installs.undo_all(undos))
     return len(targets)
 

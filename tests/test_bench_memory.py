@@ -132,9 +132,10 @@ def test_weights_counts_resident_bytes_per_format(tiny_model_dir, tmp_path):
     scale and min per 32 weights (0.625 bytes a weight), the dense ones fp32 plus the packed copy."""
     d = str(tiny_model_dir("llama"))
     out = tmp_path / "weights.json"
-    assert memory.main(parse(["--weights", d, "--weights", f"{d}@int4", "--dtype", "float32", "--num-threads", "1",
-                              "--json", str(out)])) == 0
-    dense, int4 = json.loads(out.read_text())["weights"]
+    assert memory.main(parse(["--weights", d, "--weights", f"{d}@int4", "--weights", f"{d}@int4:64", "--dtype",
+                              "float32", "--num-threads", "1", "--json", str(out)])) == 0
+    report = json.loads(out.read_text())
+    dense, int4, int4_64 = report["weights"]
     layer = 64 * 64 * 2 + 32 * 64 * 2 + 128 * 64 * 3  # q, o; k, v (2 KV heads of 16); gate, up, down
     linear_weights = 2 * layer + 49152 * 64  # + the untied LM head
     # embedding, two norms per layer, the final norm; rotary inv_freq (head_dim / 2) and its original copy
@@ -145,7 +146,11 @@ def test_weights_counts_resident_bytes_per_format(tiny_model_dir, tmp_path):
     assert int4["linear"] == int4["linear_quantized"]
     assert int4["linear"] == 0.625 * linear_weights  # every width a multiple of 16 and of 32: no padding
     assert int4["total_vs_first"] == round(int4["total"] / dense["total"], 3) < 1
-    for row in (dense, int4):  # one stream timed per format
+    assert int4_64["linear"] == 0.5625 * linear_weights  # groups of 64: half the scale bytes
+    # ratios to one dense 16-bit copy of the parameters (the buffers are not weights)
+    assert report["dense_bf16_bytes"] == 2 * (linear_weights + 49152 * 64 + 2 * 2 * 64 + 64)
+    assert int4_64["total_vs_bf16"] == round(int4_64["total"] / report["dense_bf16_bytes"], 3)
+    for row in (dense, int4, int4_64):  # one stream timed per format
         assert row["tpot_ms"] > 0 and row["tok_s"] == pytest.approx(1e3 / row["tpot_ms"], rel=0.02)
 
 

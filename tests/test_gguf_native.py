@@ -15,7 +15,11 @@ from pagedcore import gguf_native, quantization  # noqa: E402
 from pagedcore.model_loader import bundled_gguf_path, load_model_and_tokenizer, resolve_model_dir  # noqa: E402
 from pagedcore.quantization import Int4Linear, Int8Linear  # noqa: E402
 from quantized_models import tiny_llama  # noqa: E402
-from test_quantization import FLOOR_AGREEMENT, common_prefix  # noqa: E402
+from test_quantization import common_prefix  # noqa: E402
+
+# int8 vs fp32 activations over the file's own blocks: share of tokens before the first divergence, floor under
+# the measured (test_quantization.py's int4 test had this floor until the int4 embedding came from its head).
+FLOOR_AGREEMENT = 0.35
 
 T = gguf.GGMLQuantizationType
 GGUF_LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

@@ -178,37 +178,48 @@ def test_invalid_quantization_is_a_clear_error():
         LLM("unused", quantization="int3")
 
 
-# Measured on this project's AVX2 EPYC (see the test): floors for the share of tokens before the first
-# divergence and for the prompts identical throughout.
-FLOOR_AGREEMENT, FLOOR_IDENTICAL = 0.35, 1  # measured 0.52 (199 of 384 tokens) and 2 of 8
+# Where the two runs part, the token each chose must be a near-tie in both: the two tokens' logprobs within
+# NEAR_TIE nats. bf16 logits step by 1/16-1/8 at these magnitudes, so exact ties are common and the length of
+# the common prefix is chaotic (measured [27, 5, 28, 48, 48, 0, 19, 24] on the AVX2 EPYC, [5, 5, 18, 48, 48,
+# 6, 19, 30] on the AMX Xeon, [0, 25, 12, 10, 20, 12, 9, 2] there once the embedding came from the int4 head);
+# the gaps at the parting were 0-0.5 nats in both Xeon runs. A broken int8 path parts at non-ties (nats).
+NEAR_TIE = 1.0
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def gap(logprobs: dict, chosen: int, other: int) -> float:
+    """How far `chosen` led `other` at one step (inf if `other` is not among the step's top logprobs)."""
+    return logprobs[chosen].logprob - logprobs[other].logprob if other in logprobs else float("inf")
+
+
 @pytest.mark.slow
 def test_int8_activations_agree_with_fp32_activations_on_smollm2(smollm2_dir, chat_prompt_ids, monkeypatch):
     """The bundled model, int4 weights, greedy: decode with int8 activations (llama.cpp's scheme) against
-    fp32 activations. Quantizing activations changes the numerics, so agreement is measured, not exact:
-    tokens up to the first divergence, 8 chat prompts one at a time x 48 tokens. Measured [27, 5, 28, 48, 48,
-    0, 19, 24]: near-tied top tokens flip (llama.cpp's Q8 activations do the same)."""
+    fp32 activations, 8 chat prompts one at a time x 48 tokens. Quantizing activations changes the numerics,
+    so the runs may part, but only at a near-tie of the two tokens in both runs."""
     from pagedcore import quantization
 
     llm = LLM(str(smollm2_dir), dtype="bfloat16", quantization="int4", num_kv_blocks=256)
-    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=1)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=5)
     runs = {}
     for rows in (0, quantization.int8_activation_rows("int8")):
         monkeypatch.setattr(quantization, "INT8_ACTIVATION_ROWS", rows)
         # One prompt at a time: decode rows of one sequence (M = 1), the single-stream case.
         runs[rows] = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in chat_prompt_ids]
     exact, int8 = runs.values()
-    for out in int8:
-        assert len(out.token_ids) == 48
-        assert all(torch.tensor([lp[t].logprob for t in lp]).isfinite().all() for lp in out.logprobs)
-    agree = [common_prefix(a.token_ids, b.token_ids) for a, b in zip(exact, int8)]
-    print("int8 vs fp32 activations, tokens before the first divergence:", agree)
-    assert sum(agree) / (48 * len(agree)) >= FLOOR_AGREEMENT and agree.count(48) >= FLOOR_IDENTICAL
+    parted = []
+    for a, b in zip(exact, int8):
+        assert len(b.token_ids) == 48
+        assert all(torch.tensor([lp[t].logprob for t in lp]).isfinite().all() for lp in b.logprobs)
+        t = common_prefix(a.token_ids, b.token_ids)
+        if t < 48:
+            x, y = a.token_ids[t], b.token_ids[t]
+            parted.append((t, round(gap(a.logprobs[t], x, y), 3), round(gap(b.logprobs[t], y, x), 3)))
+    print("int8 vs fp32 activations, (step, fp32 gap, int8 gap) where they part:", parted)
+    assert all(g1 < NEAR_TIE and g2 < NEAR_TIE for _, g1, g2 in parted), parted
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -5,7 +5,7 @@
   per sequence (HF static caches, naive engines), computed from the workload and observed by running it
   in an engine whose whole KV cache is that budget;
 - sharing: one n=4 request vs the same prompt sent as 4 independent requests, peak blocks in use;
-- weights (`--weights MODEL[@QUANTIZATION]`, repeatable, instead of the above; weights.py): the bytes an
+- weights (`--weights MODEL[@QUANTIZATION[:GROUP]]`, repeatable, instead of the above; weights.py): the bytes an
   engine holds for its weights, per format (bf16, int4, GPTQ / AWQ / compressed-tensors dirs, GGUF native).
 - KV capacity per `kv_cache_dtype` (kv_capacity.py).
 """
@@ -290,9 +290,9 @@ def add_parser(bsub) -> None:
     m.add_argument("-n", type=int, default=4, help="samples of the sharing request")
     m.add_argument("--share-prompt-tokens", type=int, default=600)
     m.add_argument("--share-output-tokens", type=int, default=16)
-    m.add_argument("--weights", action="append", default=[], metavar="MODEL[@QUANTIZATION]",
+    m.add_argument("--weights", action="append", default=[], metavar="MODEL[@QUANTIZATION[:GROUP]]",
                    help="instead of the KV measurements: resident weight bytes of an engine on MODEL ('bundled', an "
-                        "HF dir, a GGUF), with quantization int4 or gguf after '@'; repeat to compare formats")
+                        "HF dir, a GGUF), with quantization int4 (':64' for groups of 64) or gguf after '@'; repeat to compare formats")
     m.add_argument("--stream-tokens", type=int, default=64,
                    help="with --weights: tokens of one greedy stream timed per source (TPOT, tok/s); 0 skips it")
     m.add_argument("--kv-cache-dtypes", default="auto,int8,fp8_e4m3",
