@@ -33,7 +33,8 @@ def install(model: nn.Module, device: torch.device) -> int:
     ext = cpu_ext.load() if device.type == "cpu" else None
     if ext is None:
         return 0
-    undos = [_patch(ext, module) for module in model.modules()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    undos = [_patch(ext, module, module is not head) for module in model.modules()
              if type(module) is nn.Linear and module.weight.dtype in PACKABLE_DTYPES
              and module.weight.device.type == "cpu" and not hasattr(module, "_pagedcore_packed")]
     installs.record(model, installs.undo_all(undos))
@@ -89,7 +90,7 @@ def restore(model: nn.Module) -> int:
     return count
 
 
-def _patch(ext, module: nn.Linear) -> installs.Undo:
+def _patch(ext, module: nn.Linear, prefill_copy: bool = True) -> installs.Undo:
     weight = module.weight.detach()
     vnni = vnni_layout.applies(ext, weight)
     packed = ext.pack_linear_weight_vnni(weight) if vnni else ext.pack_linear_weight(weight)
@@ -97,7 +98,9 @@ def _patch(ext, module: nn.Linear) -> installs.Undo:
     bias = None if module.bias is None else module.bias.detach()
     original = type(module).forward
     module._pagedcore_packed = packed
-    module._pagedcore_onednn = onednn_linear.prepack(module.weight)
+    # Beside VNNI pairs oneDNN's copy serves only prefill-sized inputs (onednn_linear.PREFILL_ROWS); the LM head
+    # sees one row per sampled sequence, so its copy (54 MiB on the bundled model) would only cost memory.
+    module._pagedcore_onednn = onednn_linear.prepack(module.weight) if prefill_copy or not vnni else None
 
     dtype = packed.dtype  # not the tensor itself: the closure must not keep a replaced weight alive
 

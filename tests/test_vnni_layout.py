@@ -158,3 +158,19 @@ def test_onednn_beside_the_pairs_only_for_prefill(ext, monkeypatch, m):
     with torch.inference_mode():
         got = linear(x)
     _rounded_once(got, x.double() @ linear.weight.double().T + linear.bias.double())
+
+
+def test_lm_head_keeps_no_onednn_copy_beside_its_pairs(ext, tiny_model_dir, monkeypatch):
+    """The LM head sees one row per sampled sequence, below PREFILL_ROWS: beside the pairs it keeps no oneDNN
+    copy (the other linears do); beside the panels (no AMX) oneDNN serves it from 3 rows, so it keeps one."""
+    monkeypatch.setattr(onednn_linear, "ROWS", 3)
+    for setting in ("on", "off"):
+        monkeypatch.setattr(vnni_layout, "SETTING", setting)
+        llm = LLM(str(tiny_model_dir("llama")), dtype="bfloat16", num_kv_blocks=16, enable_prefix_caching=False)
+        model = llm.engine.model
+        head = model.get_output_embeddings()
+        layer = model.model.layers[0]  # o_proj and down_proj run unfused: their own copies
+        assert layer.self_attn.o_proj._pagedcore_onednn is not None and layer.mlp.down_proj._pagedcore_onednn is not None
+        assert (head._pagedcore_onednn is None) == (setting == "on")
+        out = llm.generate([list(range(5, 200))], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
