@@ -22,13 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 GROUP = 64
 
 
-def bundled_model():
+def bundled_model(dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pagedcore.model_loader import resolve_model_dir
 
     d = resolve_model_dir(None)
-    return AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32), AutoTokenizer.from_pretrained(str(d))
+    return AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype), AutoTokenizer.from_pretrained(str(d))
 
 
 def main(out: Path) -> None:
@@ -40,8 +40,11 @@ def main(out: Path) -> None:
                "awq": lambda p, t, m: test_awq.make_checkpoint(p, t, group_size=GROUP, model=m),
                "compressed-tensors": lambda p, t, m: test_compressed_tensors.make_checkpoint(
                    p, t, group_size=GROUP, model=m)}
+    # compressed-tensors keeps its scales in the model's dtype: bf16, as llmcompressor writes a bf16 model
+    # (GPTQ and AWQ store fp16 scales whatever the model's dtype).
+    dtypes = {"compressed-tensors": torch.bfloat16}
     for name, write in writers.items():
-        model, tokenizer = bundled_model()
+        model, tokenizer = bundled_model(dtypes.get(name, torch.float32))
         path = out / name
         path.mkdir(parents=True, exist_ok=True)
         write(path, tokenizer, model)
