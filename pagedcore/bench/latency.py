@@ -40,7 +40,8 @@ def single_stream_quantized(settings: dict, quantization: str, prompt: list[int]
     from pagedcore import LLMEngine
 
     row = single_stream(LLMEngine(**dict(settings, quantization=quantization)), prompt, max_tokens)
-    label = "int4 weights" if quantization == "int4" else f"GGUF Q4 blocks as shipped, {settings['dtype']} head"
+    # GGUF: its Q4 / Q8_0 blocks as the file stores them (the bundled file's tied head is Q8_0, gguf_native.py)
+    label = "int4 weights" if quantization == "int4" else "GGUF blocks as shipped"
     return dict(row, engine=f"pagedcore ({label})", peer=f"pagedcore-{quantization}")
 
 
