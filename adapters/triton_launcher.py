@@ -131,9 +131,17 @@ class TritonServer:
         return self
 
     def is_ready(self) -> bool:
+        """Models ready and every endpoint serving: Triton starts its metrics service ~40 ms after the HTTP
+        one (its log), and a scrape in between is refused. Metrics switched off (extra_args): HTTP alone."""
+        urls = [f"http://{self.http_url}/v2/health/ready"]
+        if "--allow-metrics=false" not in self.extra_args:
+            urls.append(self.metrics_url)
         try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
-                return r.status == 200
+            for url in urls:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status != 200:
+                        return False
+            return True
         except OSError:
             return False
 
