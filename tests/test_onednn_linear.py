@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from linear_helpers import check_leading_dims_strided_input_and_nan
 from pagedcore import LLM, SamplingParams, fused_projections, onednn_linear, packed_linear, vnni_layout
 
 
@@ -46,14 +47,7 @@ def test_leading_dims_strided_input_and_nan(ext, onednn_from):
     onednn_from(1)
     linear = torch.nn.Linear(64, 48, dtype=torch.bfloat16)
     packed_linear.install(linear, torch.device("cpu"))
-    x = torch.randn(2, 5, 128, dtype=torch.bfloat16)[..., :64]
-    x[1, 2, 3] = float("nan")
-    with torch.inference_mode():
-        got = linear(x)
-    want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
-    assert got.shape == (2, 5, 48)
-    assert torch.isnan(got[1, 2]).all() and not torch.isnan(got[0]).any()
-    assert torch.allclose(got[0].float(), want[0], atol=0.05, rtol=0.01)
+    check_leading_dims_strided_input_and_nan(linear, 5)
 
 
 def test_only_bf16_and_only_when_on(ext, onednn_from):

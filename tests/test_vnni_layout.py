@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from linear_helpers import check_leading_dims_strided_input_and_nan
 from pagedcore import LLM, SamplingParams, fused_projections, onednn_linear, packed_linear, vnni_layout
 
 ROW_COUNTS = [1, 2, 3, 15, 16, 17, 31, 32, 33, 64, 100, 200]  # 16-row tiles, 32-row blocks and their edges
@@ -58,14 +59,7 @@ def test_leading_dims_strided_input_and_nan(ext, pairs):
     linear = torch.nn.Linear(64, 48, dtype=torch.bfloat16)
     packed_linear.install(linear, torch.device("cpu"))
     assert vnni_layout.is_packed(linear._pagedcore_packed)
-    x = torch.randn(2, 20, 128, dtype=torch.bfloat16)[..., :64]
-    x[1, 2, 3] = float("nan")
-    with torch.inference_mode():
-        got = linear(x)
-    want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
-    assert got.shape == (2, 20, 48)
-    assert torch.isnan(got[1, 2]).all() and not torch.isnan(got[0]).any() and not torch.isnan(got[1, 3:]).any()
-    assert torch.allclose(got[0].float(), want[0], atol=0.05, rtol=0.01)
+    check_leading_dims_strided_input_and_nan(linear, 20)
 
 
 def test_which_weights_take_the_pairs(ext, pairs, monkeypatch):
