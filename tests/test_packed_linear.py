@@ -10,8 +10,8 @@ from pagedcore import LLM, SamplingParams, installs, packed_linear
 
 # Row counts cover every micro-kernel tile height (1-6), a cache block boundary (96) and more.
 ROWS = [1, 2, 3, 4, 5, 6, 7, 13, 97, 200]
-# Output widths that are and are not a multiple of the 16-column panel.
-SHAPES = [(48, 32), (37, 64), (200, 576), (16, 1)]
+# Output widths that are and are not a multiple of the 16-column panel; 1-4 panels side by side (AVX-512 tiles).
+SHAPES = [(48, 32), (37, 64), (200, 576), (16, 1), (160, 40)]
 
 
 def _reference(x, w, b):
