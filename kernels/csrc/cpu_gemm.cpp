@@ -176,10 +176,10 @@ void pack_tiles(const X* x, int64_t M, int64_t K, int64_t t0, int64_t t1, float*
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t i0 = t * MR, R = std::min(MR, M - i0);
     float* out = xp + i0 * K;
-    for (int64_t r = 0; r < R; ++r) {
-      const X* row = x + (i0 + r) * K;
-      for (int64_t k = 0; k < K; ++k) out[k * R + r] = static_cast<float>(row[k]);
-    }
+    const X* rows = x + i0 * K;
+    // Writes in order (R streams read): the other way round each store landed R floats from the last one.
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t r = 0; r < R; ++r) out[k * R + r] = static_cast<float>(rows[r * K + k]);
   }
 }
 
@@ -197,6 +197,15 @@ const float* widen_panel<float>(const float* panel, int64_t, float*) { return pa
 // A computed tile (fp32, row stride 16) to y (row stride N), plus bias, rounded once to X.
 template <typename X>
 inline void store_tile(const float* c, int64_t rows, int64_t ncols, const float* bias, int64_t n0, X* y, int64_t N) {
+#ifdef PC_AVX512
+  if constexpr (std::is_same_v<X, float>) {
+    if (ncols == NR) {  // a whole panel: one vector a row
+      const __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+      for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(y + r * N, _mm512_add_ps(_mm512_loadu_ps(c + r * NR), b));
+      return;
+    }
+  }
+#endif
   for (int64_t r = 0; r < rows; ++r) {
     X* out = y + r * N;
     const float* cr = c + r * NR;
