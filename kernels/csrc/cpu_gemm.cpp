@@ -226,7 +226,8 @@ constexpr int64_t PZ = 4;  // panels per AVX-512 tile
 #define PC_PANELS(X, r) X(r, 0) X(r, 1) X(r, 2) X(r, 3)
 #define PC_ROWS_PANELS(X) PC_PANELS(X, 0) PC_PANELS(X, 1) PC_PANELS(X, 2) PC_PANELS(X, 3) PC_PANELS(X, 4) PC_PANELS(X, 5)
 template <int R, int P>
-__attribute__((noinline)) void micro_kernel_zmm(const float* a, const float* b, int64_t ps, int64_t K, float* c) {
+__attribute__((noinline)) void micro_kernel_zmm(const float* a, const float* b, int64_t ps, int64_t K, float* c,
+                                                const char* pf, int64_t pf_n) {
 #define PZ_DECL(r, p) __m512 z##r##p = _mm512_setzero_ps();
   PC_ROWS_PANELS(PZ_DECL)
   for (int64_t k = 0; k < K; ++k) {
@@ -236,6 +237,7 @@ __attribute__((noinline)) void micro_kernel_zmm(const float* a, const float* b, 
     const __m512 b2 = P > 2 ? _mm512_loadu_ps(bk + 2 * ps) : b0;
     const __m512 b3 = P > 3 ? _mm512_loadu_ps(bk + 3 * ps) : b0;
     const float* ak = a + k * R;
+    for (int64_t l = 0; l < pf_n; ++l) _mm_prefetch(pf + (k * pf_n + l) * 64, _MM_HINT_T0);
 #define PZ_FMA(r, p) \
     if constexpr (R > r && P > p) z##r##p = _mm512_fmadd_ps(_mm512_set1_ps(ak[r]), b##p, z##r##p);
     PC_ROWS_PANELS(PZ_FMA)
@@ -246,23 +248,25 @@ __attribute__((noinline)) void micro_kernel_zmm(const float* a, const float* b, 
 }
 
 template <int R>
-inline void tile_zmm_rows(int64_t np, const float* a, const float* b, int64_t ps, int64_t K, float* c) {
+inline void tile_zmm_rows(int64_t np, const float* a, const float* b, int64_t ps, int64_t K, float* c, const char* pf,
+                          int64_t pf_n) {
   switch (np) {
-    case 1: return micro_kernel_zmm<R, 1>(a, b, ps, K, c);
-    case 2: return micro_kernel_zmm<R, 2>(a, b, ps, K, c);
-    case 3: return micro_kernel_zmm<R, 3>(a, b, ps, K, c);
-    default: return micro_kernel_zmm<R, 4>(a, b, ps, K, c);
+    case 1: return micro_kernel_zmm<R, 1>(a, b, ps, K, c, pf, pf_n);
+    case 2: return micro_kernel_zmm<R, 2>(a, b, ps, K, c, pf, pf_n);
+    case 3: return micro_kernel_zmm<R, 3>(a, b, ps, K, c, pf, pf_n);
+    default: return micro_kernel_zmm<R, 4>(a, b, ps, K, c, pf, pf_n);
   }
 }
 
-inline void tile_zmm(int64_t rows, int64_t np, const float* a, const float* b, int64_t ps, int64_t K, float* c) {
+inline void tile_zmm(int64_t rows, int64_t np, const float* a, const float* b, int64_t ps, int64_t K, float* c,
+                     const char* pf, int64_t pf_n) {
   switch (rows) {
-    case 1: return tile_zmm_rows<1>(np, a, b, ps, K, c);
-    case 2: return tile_zmm_rows<2>(np, a, b, ps, K, c);
-    case 3: return tile_zmm_rows<3>(np, a, b, ps, K, c);
-    case 4: return tile_zmm_rows<4>(np, a, b, ps, K, c);
-    case 5: return tile_zmm_rows<5>(np, a, b, ps, K, c);
-    default: return tile_zmm_rows<6>(np, a, b, ps, K, c);
+    case 1: return tile_zmm_rows<1>(np, a, b, ps, K, c, pf, pf_n);
+    case 2: return tile_zmm_rows<2>(np, a, b, ps, K, c, pf, pf_n);
+    case 3: return tile_zmm_rows<3>(np, a, b, ps, K, c, pf, pf_n);
+    case 4: return tile_zmm_rows<4>(np, a, b, ps, K, c, pf, pf_n);
+    case 5: return tile_zmm_rows<5>(np, a, b, ps, K, c, pf, pf_n);
+    default: return tile_zmm_rows<6>(np, a, b, ps, K, c, pf, pf_n);
   }
 }
 
@@ -284,9 +288,16 @@ void dense_panels_zmm(const PackedWeight& w, const GemmInput& in, X* y, int64_t 
         for (int64_t q = 0; q < np; ++q) widen_panel(packed + (p + q) * K * NR, K, wbuf.data() + q * K * NR);
         b = wbuf.data();
       }
-      for (int64_t i = m0; i < m1; i += MR) {
+      // The next group's panels (contiguous after this one's) are asked for while this one computes, spread over
+      // its row tiles: from memory they would stall the first tile at a memory latency per page.
+      const char* next = reinterpret_cast<const char*>(packed + (p + np) * K * NR);
+      const int64_t next_lines = std::min(PZ, p1 - p - np) * K * NR * int64_t(sizeof(W)) / 64;
+      const int64_t tiles = (m1 - m0 + MR - 1) / MR, pf_n = (next_lines + tiles * K - 1) / (tiles * K);
+      for (int64_t i = m0, t = 0; i < m1; i += MR, ++t) {
         const int64_t rows = std::min(MR, m1 - i);
-        tile_zmm(rows, np, in.xp.data() + i * K, b, K * NR, K, c);
+        const int64_t first = t * K * pf_n;
+        tile_zmm(rows, np, in.xp.data() + i * K, b, K * NR, K, c, next + first * 64,
+                 first < next_lines && m0 == 0 ? pf_n : 0);
         for (int64_t q = 0; q < np; ++q) {
           const int64_t n0 = (p + q) * NR;
           store_tile(c + q * MR * NR, rows, std::min(NR, N - n0), w.bias, n0, y + i * N + n0, N);
