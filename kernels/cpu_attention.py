@@ -242,6 +242,23 @@ def _prefill_one(out, query, k_cache, v_cache, metadata, i, scale, sliding_windo
     out[start:end] = o[0].transpose(0, 1).to(out.dtype)
 
 
+def _prefill_ext(ext, out, query, k_cache, v_cache, metadata, prompts, scale, sliding_window, softcap) -> list[int]:
+    """The prompts the C++ kernel takes (AVX-512 CPUs: plain causal attention, no window cutting into the context,
+    no softcap, the cache in the query's dtype) run in one call; returns the others, for _prefill_one."""
+    d = query.shape[-1]
+    if softcap or query.dtype not in (torch.float32, torch.bfloat16) or k_cache.dtype != query.dtype \
+            or query.stride(1) != d or out.stride(1) != d \
+            or out.stride(2) != 1 or not ext.paged_prefill_supported(d):
+        return prompts
+    lens, qsl = metadata.seq_lens_cpu, metadata.query_start_loc_cpu
+    windowed = [i for i in prompts if sliding_window is not None and 0 < sliding_window < lens[i]]
+    take = [i for i in prompts if i not in windowed]
+    if take:
+        ext.paged_prefill(query, out, k_cache, v_cache, metadata.block_table.contiguous(), take,
+                          [qsl[i] for i in take], [qsl[i + 1] for i in take], [lens[i] for i in take], scale)
+    return windowed
+
+
 @dataclass
 class ExtDecodePlan:
     """All decode rows of the step for the C++ kernel: it reads blocks in place, so no buckets."""
@@ -330,9 +347,11 @@ def cpu_paged_attention(
         return _decode_ext(ext, None, query, k_cache, v_cache, plan, scale, sliding_window, softcap)
     if out is None:
         out = torch.zeros_like(query) if qsl[-1] < query.shape[0] else torch.empty_like(query)
-    for i in range(len(metadata.seq_lens_cpu)):
-        if qsl[i + 1] - qsl[i] > 1:
-            _prefill_one(out, query, k_cache, v_cache, metadata, i, scale, sliding_window, softcap)
+    prompts = [i for i in range(len(metadata.seq_lens_cpu)) if qsl[i + 1] - qsl[i] > 1]
+    if use_ext and prompts:
+        prompts = _prefill_ext(ext, out, query, k_cache, v_cache, metadata, prompts, scale, sliding_window, softcap)
+    for i in prompts:
+        _prefill_one(out, query, k_cache, v_cache, metadata, i, scale, sliding_window, softcap)
     if use_ext:
         plan = _ext_plan(metadata, plans)
         if plan is not None:

@@ -172,7 +172,8 @@ def test_cpu_write_kv_cache_matches_index_copy(ext, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cpu_prefill_pads_prompts_for_sdpa(dtype, monkeypatch):
     """Plain bf16/fp16 prompts reach SDPA zero-padded to a multiple of SDPA_ALIGN rows (its fast lengths),
-    fp32 ones unpadded; outputs match the reference with NaN in every unwritten cache slot."""
+    fp32 ones unpadded; outputs match the reference with NaN in every unwritten cache slot. (The torch path: on
+    AVX-512 CPUs the C++ prefill kernel takes fp32/bf16 prompts first, tested below.)"""
     from pagedcore.kernels import cpu_attention
 
     lengths = [2, 31, 32, 33, 63, 146]
@@ -186,7 +187,7 @@ def test_cpu_prefill_pads_prompts_for_sdpa(dtype, monkeypatch):
     monkeypatch.setattr(cpu_attention.F, "scaled_dot_product_attention", recording)
     b = make_paged_batch(lengths, lengths, 9, 3, 64, 16, dtype, "cpu", seed=5)
     b.write_new_tokens()
-    out = cpu_paged_attention(b.query, b.k_cache, b.v_cache, b.metadata, 0.125)
+    out = cpu_paged_attention(b.query, b.k_cache, b.v_cache, b.metadata, 0.125, use_ext=False)
     ref = ref_paged_attention(b.query, b.k_cache, b.v_cache, b.metadata, 0.125)
     if dtype == torch.float32:  # runs no faster aligned: exactly the context
         assert seen == [(n, n) for n in lengths]
@@ -196,3 +197,62 @@ def test_cpu_prefill_pads_prompts_for_sdpa(dtype, monkeypatch):
                    for (p, _), n in zip(seen, lengths))
     assert not out.isnan().any()
     assert rel_err(out, ref) < (2e-5 if dtype == torch.float32 else 2e-2)
+
+
+def _prefill_kernel_or_skip(head_dim=64):
+    from pagedcore.kernels import cpu_ext
+
+    ext = cpu_ext.load()
+    if ext is None or not ext.paged_prefill_supported(head_dim):
+        pytest.skip("the C++ prefill kernel runs on AVX-512 CPUs only")
+    return ext
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (8, 2, 32)])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_cpu_prefill_kernel_matches_reference(dtype, heads, kv_heads, head_dim, block_size, monkeypatch):
+    """Prompts (whole, and chunks after a cached context) through the C++ kernel, never SDPA, against the
+    reference; unwritten cache slots hold NaN and never reach the output; padding rows stay zero."""
+    _prefill_kernel_or_skip(head_dim)
+    from pagedcore.kernels import cpu_attention
+
+    def fail(*a, **k):
+        raise AssertionError("SDPA ran: the kernel should have taken every prompt")
+
+    monkeypatch.setattr(cpu_attention.F, "scaled_dot_product_attention", fail)
+    query_lens = [2, 7, 31, 64, 1, 100, 13]
+    seq_lens = [2, 7, 40, 64, 20, 230, 200]  # 40/230/200: a chunk after a cached context; 1: a decode row
+    b = make_paged_batch(query_lens, seq_lens, heads, kv_heads, head_dim, block_size, dtype, "cpu", seed=11,
+                         num_padding_tokens=2)
+    b.write_new_tokens()
+    out = cpu_paged_attention(b.query, b.k_cache, b.v_cache, b.metadata, head_dim**-0.5)
+    ref = ref_paged_attention(b.query, b.k_cache, b.v_cache, b.metadata, head_dim**-0.5)
+    assert not out.isnan().any()
+    assert out[-2:].abs().max() == 0  # padding rows
+    assert rel_err(out, ref) < (2e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_cpu_prefill_kernel_leaves_windowed_and_softcapped_prompts_to_torch():
+    """A window shorter than the context, or a softcap, is not the kernel's: those prompts take the torch path
+    (and still match the reference); the rest of the batch takes the kernel."""
+    _prefill_kernel_or_skip()
+    b = make_paged_batch([50, 20, 9], [120, 20, 9], 6, 2, 64, 16, torch.float32, "cpu", seed=3)
+    b.write_new_tokens()
+    for window, softcap in [(30, None), (None, 5.0), (25, 5.0)]:
+        out = cpu_paged_attention(b.query, b.k_cache, b.v_cache, b.metadata, 0.125, window, softcap)
+        ref = ref_paged_attention(b.query, b.k_cache, b.v_cache, b.metadata, 0.125, window, softcap)
+        assert not out.isnan().any() and rel_err(out, ref) < 2e-5
+
+
+def test_cpu_prefill_kernel_refuses_bad_ranges():
+    ext = _prefill_kernel_or_skip()
+    q = torch.randn(8, 2, 64)
+    cache = torch.zeros(4, 16, 2, 64)
+    table = torch.zeros(1, 4, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ext.paged_prefill(q, torch.empty_like(q), cache, cache, table, [0], [0], [9], [9], 0.125)  # rows past T
+    with pytest.raises(RuntimeError, match="out of range"):
+        ext.paged_prefill(q, torch.empty_like(q), cache, cache, table, [0], [0], [8], [100], 0.125)  # > 4 blocks
+    with pytest.raises(RuntimeError, match="one dtype"):
+        ext.paged_prefill(q, torch.empty_like(q), cache.bfloat16(), cache.bfloat16(), table, [0], [0], [8], [8], 0.125)

@@ -302,3 +302,14 @@ def test_a_lent_model_keeps_its_dense_weights(ext):
     installs.track(model)
     packed_linear.install(model, torch.device("cpu"))
     assert packed_linear.release_dense(model) == 0 and model[0].weight.numel() == 16 * 32
+
+
+def test_threads_share_the_callers_input_buffer(ext):
+    """Calls big enough to split panels between threads, after calls of other shapes: every thread must read the
+    calling thread's packed input (a per-thread buffer, reused across calls), not a stale one of its own."""
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(7)
+    for m, n, k in [(5, 576, 576), (30, 192, 576), (64, 1536, 576), (30, 192, 576), (200, 576, 1536), (1, 192, 576)]:
+        w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+        y = ext.packed_linear(x, ext.pack_linear_weight(w), n)
+        torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-4 * k ** 0.5)

@@ -5,6 +5,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query"), py::arg("rows"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("window"), py::arg("softcap"), py::arg("k_scales") = py::none(),
         py::arg("v_scales") = py::none());
+  m.def("paged_prefill_supported", &paged_prefill_supported, "whether paged_prefill runs here for this head_dim");
+  m.def("paged_prefill", &paged_prefill,
+        "causal attention of prompt rows (query rows [start, end) of each listed sequence, the last rows of its "
+        "seq_len positions) over the paged cache, into out",
+        py::arg("query"), py::arg("out"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
+        py::arg("seqs"), py::arg("q_starts"), py::arg("q_ends"), py::arg("seq_lens"), py::arg("scale"));
   m.def("rms_norm", &rms_norm, "transformers' Llama RMSNorm");
   m.def("add_rms_norm", &add_rms_norm, "(x + residual, rms_norm(x + residual))");
   m.def("rotary_embedding_", &rotary_embedding_, "rotate q and k in place (transformers' rotate_half RoPE)");

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <tuple>
+#include <vector>
 
 // at::parallel_for grain: enough items that a chunk holds ~min_work elements. Small batches then
 // run inline: waking the other threads costs more than the work, and far more when a core is busy.
@@ -17,6 +18,12 @@ inline int64_t grain_for(int64_t work_per_item, int64_t min_work = 32768) {
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor rows, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_table, torch::Tensor seq_lens, double scale, int64_t window,
                            double softcap, c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales);
+
+// cpu_prefill_attention.cpp: causal attention of prompt rows over the paged cache (AVX-512 CPUs, head_dim % 16 == 0)
+bool paged_prefill_supported(int64_t head_dim);
+void paged_prefill(torch::Tensor query, torch::Tensor out, torch::Tensor k_cache, torch::Tensor v_cache,
+                   torch::Tensor block_table, std::vector<int64_t> seqs, std::vector<int64_t> q_starts,
+                   std::vector<int64_t> q_ends, std::vector<int64_t> seq_lens, double scale);
 
 // cpu_layer_ops.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);

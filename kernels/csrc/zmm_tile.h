@@ -1,0 +1,66 @@
+// The AVX-512 fp32 tile of the GEMM (cpu_gemm.cpp), shared with prefill attention (cpu_prefill_attention.cpp):
+// C[R, 16 P] = A @ P adjacent 16-column panels, A packed [K][R] (row r of step k at a[k * R + r]), panel q's
+// step k at b + q * ps + k * 16. Results go to c as P tiles of [6, 16].
+#pragma once
+#include <cstdint>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define PC_AVX512 1
+
+namespace zmm {
+constexpr int64_t NR = 16;  // columns per panel
+constexpr int64_t MR = 6;   // rows per tile
+// R x P zmm accumulators (6 x 4 = 24 of the 32 registers): per k, P panel loads and R broadcasts feed R * P FMAs,
+// so the loads keep up with both FMA ports; the 6 x 16 AVX2 tile ran at about half the rate of torch's AVX-512
+// sgemm here (bench linears, M >= 64). pf_n cache lines from pf are prefetched per k (pf_n 0: none).
+constexpr int64_t PZ = 4;  // panels per tile
+#define PC_PANELS(X, r) X(r, 0) X(r, 1) X(r, 2) X(r, 3)
+#define PC_ROWS_PANELS(X) PC_PANELS(X, 0) PC_PANELS(X, 1) PC_PANELS(X, 2) PC_PANELS(X, 3) PC_PANELS(X, 4) PC_PANELS(X, 5)
+template <int R, int P>
+__attribute__((noinline)) void micro_kernel_zmm(const float* a, const float* b, int64_t ps, int64_t K, float* c,
+                                                const char* pf, int64_t pf_n) {
+#define PZ_DECL(r, p) __m512 z##r##p = _mm512_setzero_ps();
+  PC_ROWS_PANELS(PZ_DECL)
+  for (int64_t k = 0; k < K; ++k) {
+    const float* bk = b + k * NR;
+    const __m512 b0 = _mm512_loadu_ps(bk);
+    const __m512 b1 = P > 1 ? _mm512_loadu_ps(bk + ps) : b0;
+    const __m512 b2 = P > 2 ? _mm512_loadu_ps(bk + 2 * ps) : b0;
+    const __m512 b3 = P > 3 ? _mm512_loadu_ps(bk + 3 * ps) : b0;
+    const float* ak = a + k * R;
+    for (int64_t l = 0; l < pf_n; ++l) _mm_prefetch(pf + (k * pf_n + l) * 64, _MM_HINT_T0);
+#define PZ_FMA(r, p) \
+    if constexpr (R > r && P > p) z##r##p = _mm512_fmadd_ps(_mm512_set1_ps(ak[r]), b##p, z##r##p);
+    PC_ROWS_PANELS(PZ_FMA)
+  }
+#define PZ_STORE(r, p) \
+  if constexpr (R > r && P > p) _mm512_storeu_ps(c + p * MR * NR + r * NR, z##r##p);
+  PC_ROWS_PANELS(PZ_STORE)
+}
+
+template <int R>
+inline void tile_zmm_rows(int64_t np, const float* a, const float* b, int64_t ps, int64_t K, float* c, const char* pf,
+                          int64_t pf_n) {
+  switch (np) {
+    case 1: return micro_kernel_zmm<R, 1>(a, b, ps, K, c, pf, pf_n);
+    case 2: return micro_kernel_zmm<R, 2>(a, b, ps, K, c, pf, pf_n);
+    case 3: return micro_kernel_zmm<R, 3>(a, b, ps, K, c, pf, pf_n);
+    default: return micro_kernel_zmm<R, 4>(a, b, ps, K, c, pf, pf_n);
+  }
+}
+
+inline void tile_zmm(int64_t rows, int64_t np, const float* a, const float* b, int64_t ps, int64_t K, float* c,
+                     const char* pf, int64_t pf_n) {
+  switch (rows) {
+    case 1: return tile_zmm_rows<1>(np, a, b, ps, K, c, pf, pf_n);
+    case 2: return tile_zmm_rows<2>(np, a, b, ps, K, c, pf, pf_n);
+    case 3: return tile_zmm_rows<3>(np, a, b, ps, K, c, pf, pf_n);
+    case 4: return tile_zmm_rows<4>(np, a, b, ps, K, c, pf, pf_n);
+    case 5: return tile_zmm_rows<5>(np, a, b, ps, K, c, pf, pf_n);
+    default: return tile_zmm_rows<6>(np, a, b, ps, K, c, pf, pf_n);
+  }
+}
+
+}  // namespace zmm
+#endif
