@@ -245,7 +245,7 @@ void dense_panels_zmm(const PackedWeight& w, const GemmInput& in, X* y, int64_t 
         const int64_t rows = std::min(MR, m1 - i);
         const int64_t first = t * K * pf_n;
         tile_zmm(rows, np, in.xp.data() + i * K, b, K * NR, K, c, next + first * 64,
-                 first < next_lines && m0 == 0 ? pf_n : 0);
+                 first < next_lines ? pf_n : 0);
         for (int64_t q = 0; q < np; ++q) {
           const int64_t n0 = (p + q) * NR;
           store_tile(c + q * MR * NR, rows, std::min(NR, N - n0), w.bias, n0, y + i * N + n0, N);
