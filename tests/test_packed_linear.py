@@ -313,3 +313,17 @@ def test_threads_share_the_callers_input_buffer(ext):
         w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
         y = ext.packed_linear(x, ext.pack_linear_weight(w), n)
         torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-4 * k ** 0.5)
+
+
+@pytest.mark.skipif("AVX512" not in torch.backends.cpu.get_cpu_capability(), reason="AVX-512 fp32 tiles only")
+def test_fp32_rows_do_not_depend_on_the_batch(ext):
+    """On AVX-512 CPUs every fp32 output is one FMA chain over the inputs in order, whatever the row count: a row
+    computed alone equals the same row inside any batch, bit for bit (greedy runs under preemption or prefix hits
+    batch their rows differently and must not part)."""
+    g = torch.Generator().manual_seed(3)
+    for n, k in [(192, 576), (576, 1536), (37, 64)]:
+        w = ext.pack_linear_weight(torch.randn(n, k, generator=g))
+        x = torch.randn(64, k, generator=g)
+        alone = torch.cat([ext.packed_linear(x[i:i + 1], w, n) for i in range(8)])
+        for m in (2, 3, 7, 13, 64):
+            assert torch.equal(ext.packed_linear(x[:m], w, n)[:8], alone[:m][:8]), (n, k, m)

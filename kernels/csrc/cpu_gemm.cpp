@@ -262,9 +262,10 @@ void dense_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, 
   const W* packed = static_cast<const W*>(w.w);
   const bool widen = M > 2 * MR;
 #ifdef PC_AVX512
-  // One or two rows stream the weight (the thin kernels are at memory speed); bf16 panels are widened from as
-  // many rows as before.
-  if (std::is_same_v<W, float> ? M > 2 : widen) return dense_panels_zmm<X, W>(w, in, y, p0, p1, wbuf);
+  // fp32 at every row count: each output is one FMA chain over k in order, whatever the batch, so a row's result
+  // does not depend on how many rows share its step (the thin kernels' interleaved sums did: greedy runs parted
+  // under preemption). bf16 panels are widened from as many rows as before.
+  if (std::is_same_v<W, float> || widen) return dense_panels_zmm<X, W>(w, in, y, p0, p1, wbuf);
 #endif
   if (widen && int64_t(wbuf.size()) < K * NR) wbuf.resize(K * NR);
   float c[MR * NR];
