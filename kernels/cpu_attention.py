@@ -244,9 +244,11 @@ def _prefill_one(out, query, k_cache, v_cache, metadata, i, scale, sliding_windo
 
 def _prefill_ext(ext, out, query, k_cache, v_cache, metadata, prompts, scale, sliding_window, softcap) -> list[int]:
     """The prompts the C++ kernel takes (AVX-512 CPUs: plain causal attention, no window cutting into the context,
-    no softcap, the cache in the query's dtype) run in one call; returns the others, for _prefill_one."""
+    no softcap, the cache in the query's dtype or int8 / fp8 quantized) run in one call; returns the others, for
+    _prefill_one."""
     d = query.shape[-1]
-    if softcap or query.dtype not in (torch.float32, torch.bfloat16) or k_cache.dtype != query.dtype \
+    quantized = kv_quant.layout_of(k_cache) is not None
+    if softcap or query.dtype not in (torch.float32, torch.bfloat16) or not (quantized or k_cache.dtype == query.dtype) \
             or query.stride(1) != d or out.stride(1) != d \
             or out.stride(2) != 1 or not ext.paged_prefill_supported(d):
         return prompts
@@ -254,8 +256,11 @@ def _prefill_ext(ext, out, query, k_cache, v_cache, metadata, prompts, scale, sl
     windowed = [i for i in prompts if sliding_window is not None and 0 < sliding_window < lens[i]]
     take = [i for i in prompts if i not in windowed]
     if take:
+        scales = {}
+        if quantized:  # de-quantized as K and V are packed
+            (k_cache, scales["k_scales"]), (v_cache, scales["v_scales"]) = kv_quant.split(k_cache), kv_quant.split(v_cache)
         ext.paged_prefill(query, out, k_cache, v_cache, metadata.block_table.contiguous(), take,
-                          [qsl[i] for i in take], [qsl[i + 1] for i in take], [lens[i] for i in take], scale)
+                          [qsl[i] for i in take], [qsl[i + 1] for i in take], [lens[i] for i in take], scale, **scales)
     return windowed
 
 

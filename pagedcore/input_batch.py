@@ -49,6 +49,7 @@ class StepInputs:
     max_query_len: int
     max_seq_len: int
     sample_rows: list[int]  # which scheduled sequences sample this step
+    num_prompt_tokens_cpu: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -178,13 +179,14 @@ class InputBatch:
     # ---- the step's flattened batch --------------------------------------------------------------
     def _build(self, sched: SchedulerOutput, rows: list[int]) -> StepInputs:
         # O(batch) Python for the per-sequence numbers, then O(tokens) numpy gathers.
-        starts, seq_lens, qsl, sample_rows, num_logits = [], [], [0], [], []
+        starts, seq_lens, qsl, sample_rows, num_logits, prompt_lens = [], [], [0], [], [], []
         width = max_query_len = 0
         for i, ((seq, n), row) in enumerate(zip(sched.scheduled, rows)):
             start = seq.num_computed_tokens
             starts.append(start)
             seq_lens.append(start + n)
             qsl.append(qsl[-1] + n)
+            prompt_lens.append(seq.num_prompt_tokens)
             if start + n == len(seq.token_ids):  # this chunk reaches the end: a new token is sampled
                 sample_rows.append(i)
                 num_logits.append(1 + seq.num_draft_tokens)  # verification: a row per draft, + 1
@@ -226,4 +228,5 @@ class InputBatch:
             max_query_len=max_query_len,
             max_seq_len=max(seq_lens),
             sample_rows=sample_rows,
+            num_prompt_tokens_cpu=prompt_lens,
         )

@@ -86,6 +86,8 @@ def _lean_forward(ext, layer, sliding_window: int | None):
         o = attn.o_proj(o.reshape(1, T, -1))
         hidden_states, h = ext.add_rms_norm(hidden_states, o, post_norm.weight, post_norm.variance_epsilon)
         gate_up = fused_projections.get(mlp, gate_up_names)
+        if gate_up is not None and gate_up.silu_mul is not None:
+            return hidden_states + mlp.down_proj(gate_up.silu_mul(h))
         gate_up = gate_up if gate_up is not None and gate_up.fuses(T) else None
         gate, up = gate_up(h) if gate_up is not None else (mlp.gate_proj(h), mlp.up_proj(h))
         return hidden_states + mlp.down_proj(ext.silu_and_mul(gate, up))

@@ -181,6 +181,7 @@ class ModelRunner:
             query_start_loc_cpu=b.query_start_loc_cpu,
             seq_lens_cpu=b.seq_lens_cpu,
             block_size=self.block_size,
+            num_prompt_tokens_cpu=b.num_prompt_tokens_cpu,
         )
         return ModelInput(b.input_ids.to(dev), b.positions.to(dev), metadata, b.logits_indices.to(dev), b.sample_rows)
 

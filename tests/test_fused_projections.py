@@ -138,7 +138,7 @@ def test_engine_tokens_equal_with_and_without_fusing(ext, monkeypatch, tiny_mode
     monkeypatch.setattr(vnni_layout, "SETTING", vnni)
     prompts = [[5 + i for i in range(n)] for n in (3, 20, 41)]
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=2)
-    runs, calls = {}, []
+    runs, calls, silu_calls = {}, [], []
     call = fused_projections.FusedProjection.__call__
     monkeypatch.setattr(fused_projections.FusedProjection, "__call__", lambda self, x: calls.append(x.shape) or call(self, x))
     for fuse in (True, False):
@@ -149,10 +149,15 @@ def test_engine_tokens_equal_with_and_without_fusing(ext, monkeypatch, tiny_mode
         layer = llm.engine.model.model.layers[0]
         assert (fused_projections.get(layer.self_attn, QKV) is not None) == fuse
         assert vnni_layout.is_packed(layer.self_attn.q_proj._pagedcore_packed) == (vnni == "on")
+        for fused in fused_projections.installed(llm.engine.model):
+            if fused.silu_mul is not None:  # gate/up with silu * up in the tiles, at any row count
+                fused.silu_mul = lambda x, _f=fused.silu_mul: silu_calls.append(x.shape) or _f(x)
         runs[fuse] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    # 2 layers x (q/k/v + gate/up) per decode step, at most FUSED_ROWS rows each; prefill only in VNNI pairs.
+    # 2 layers x q/k/v per decode step, at most FUSED_ROWS rows each, prefill only in VNNI pairs; gate/up (with
+    # silu * up) 2 layers x every step, prompts included.
     prefill = [s for s in calls if s[-2] > fused_projections.FUSED_ROWS]
-    assert len(calls) >= 4 * 9 and (len(prefill) >= 4 if vnni == "on" else not prefill)
+    assert len(calls) >= 2 * 9 and (len(prefill) >= 2 if vnni == "on" else not prefill)
+    assert len(silu_calls) >= 2 * 10 and any(s[-2] > fused_projections.FUSED_ROWS for s in silu_calls)
     tol = 1e-4 if dtype == "float32" else 0.1
     for a, b in zip(runs[True], runs[False]):
         assert a.token_ids == b.token_ids

@@ -254,5 +254,28 @@ def test_cpu_prefill_kernel_refuses_bad_ranges():
         ext.paged_prefill(q, torch.empty_like(q), cache, cache, table, [0], [0], [9], [9], 0.125)  # rows past T
     with pytest.raises(RuntimeError, match="out of range"):
         ext.paged_prefill(q, torch.empty_like(q), cache, cache, table, [0], [0], [8], [100], 0.125)  # > 4 blocks
-    with pytest.raises(RuntimeError, match="one dtype"):
+    with pytest.raises(RuntimeError, match="the query.s dtype"):
         ext.paged_prefill(q, torch.empty_like(q), cache.bfloat16(), cache.bfloat16(), table, [0], [0], [8], [8], 0.125)
+
+
+def test_short_prompt_chunks_stay_prompt_rows_where_the_prefill_kernel_runs():
+    """split_short_queries: a short chunk of generated tokens (speculative verification) becomes decode rows either
+    way; a short chunk of prompt tokens stays one prompt with keep_prompts (the C++ prefill kernel's), so that a
+    prompt's tail after a prefix hit is computed as the whole prompt is."""
+    from pagedcore.attention.backend import AttentionMetadata
+    from pagedcore.attention.torch_backend import split_short_queries
+
+    qsl, lens, prompts = [0, 8, 12, 13, 53], [72, 100, 30, 40], [72, 50, 20, 40]  # tail, verify, decode, prompt
+    md = AttentionMetadata(
+        num_tokens=53, query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_table=torch.arange(4 * 8, dtype=torch.int32).view(4, 8), slot_mapping=torch.zeros(53, dtype=torch.long),
+        max_query_len=40, max_seq_len=100, query_start_loc_cpu=qsl, seq_lens_cpu=lens, block_size=16,
+        num_prompt_tokens_cpu=prompts)
+    kept = split_short_queries(md, keep_prompts=True)
+    assert kept.query_start_loc_cpu == [0, 8, 9, 10, 11, 12, 13, 53]
+    assert kept.seq_lens_cpu == [72, 97, 98, 99, 100, 30, 40]
+    assert kept.num_prompt_tokens_cpu == [72, 50, 50, 50, 50, 20, 40]
+    assert kept.block_table[1:5].eq(md.block_table[1]).all()
+    split = split_short_queries(md)
+    assert split.query_start_loc_cpu == list(range(14)) + [53]
+    assert split.seq_lens_cpu == list(range(65, 73)) + [97, 98, 99, 100, 30, 40]

@@ -327,3 +327,56 @@ def test_fp32_rows_do_not_depend_on_the_batch(ext):
         alone = torch.cat([ext.packed_linear(x[i:i + 1], w, n) for i in range(8)])
         for m in (2, 3, 7, 13, 64):
             assert torch.equal(ext.packed_linear(x[:m], w, n)[:8], alone[:m][:8]), (n, k, m)
+        many = ext.packed_linear(torch.cat([x] * 4), w, n)  # 256 rows: past the 96-row cache blocks
+        assert torch.equal(many[192:200], alone), (n, k)
+
+
+@pytest.mark.parametrize("wdtype,xdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                           (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("inter,k", [(96, 64), (48, 32), (1536, 576)])
+def test_silu_mul_equals_the_product_then_silu_and_mul(ext, wdtype, xdtype, inter, k):
+    """silu(x W_gate^T + b) * (x W_up^T + b) in the GEMM's tiles (the [M, 2I] product never written) against the
+    fused product then the separate silu_and_mul op; 48: an odd number of gate panels (a last single pair)."""
+    g = torch.Generator().manual_seed(inter + k)
+    w = (torch.randn(2 * inter, k, generator=g) * 0.1).to(wdtype)
+    packed = ext.pack_linear_weight(w)
+    for m in (1, 5, 13, 100):
+        x = torch.randn(m, k, generator=g).to(xdtype)
+        for bias in (None, torch.randn(2 * inter, generator=g)):
+            gate_up = ext.packed_linear(x, packed, 2 * inter, bias)
+            want = ext.silu_and_mul(gate_up[:, :inter], gate_up[:, inter:])
+            got = ext.packed_linear_silu_mul(x, packed, 2 * inter, bias)
+            assert got.shape == (m, inter) and got.dtype == xdtype
+            if xdtype == torch.float32:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            else:  # bf16: roundings where the unfused ops round; exp differs by an ulp before them
+                torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-3)
+    x3 = torch.randn(2, 3, k, generator=g).to(xdtype)  # leading dims kept
+    assert ext.packed_linear_silu_mul(x3, packed, 2 * inter).shape == (2, 3, inter)
+
+
+def test_silu_mul_nan_stays_in_its_row_and_bad_widths_raise(ext):
+    w = torch.randn(192, 64)
+    packed = ext.pack_linear_weight(w)
+    x = torch.randn(5, 64)
+    x[2, 3] = float("nan")
+    y = ext.packed_linear_silu_mul(x, packed, 192)
+    assert y[2].isnan().all() and not y[[0, 1, 3, 4]].isnan().any()
+    with pytest.raises(RuntimeError, match="out_features"):
+        ext.packed_linear_silu_mul(x, packed, 160)  # not all of the packed weight
+    with pytest.raises(RuntimeError, match="out_features"):
+        ext.packed_linear_silu_mul(x, ext.pack_linear_weight(torch.randn(80, 64)), 80)  # halves of 40: not panels
+    with pytest.raises(RuntimeError, match="last dimension"):
+        ext.packed_linear_silu_mul(torch.randn(5, 32), packed, 192)
+
+
+@pytest.mark.skipif("AVX512" not in torch.backends.cpu.get_cpu_capability(), reason="AVX-512 fp32 tiles only")
+def test_silu_mul_rows_do_not_depend_on_the_batch(ext):
+    """As the plain linear's (below): a prompt's rows get the same values alone, in a short chunk after a cached
+    prefix, or among hundreds (past the 96-row cache blocks)."""
+    g = torch.Generator().manual_seed(5)
+    w = ext.pack_linear_weight(torch.randn(3072, 576, generator=g) * 0.05)
+    x = torch.randn(470, 576, generator=g)
+    full = ext.packed_linear_silu_mul(x, w, 3072)
+    for a, b in ((0, 1), (64, 72), (90, 100), (460, 470)):
+        assert torch.equal(ext.packed_linear_silu_mul(x[a:b].clone(), w, 3072), full[a:b]), (a, b)

@@ -10,7 +10,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal attention of prompt rows (query rows [start, end) of each listed sequence, the last rows of its "
         "seq_len positions) over the paged cache, into out",
         py::arg("query"), py::arg("out"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
-        py::arg("seqs"), py::arg("q_starts"), py::arg("q_ends"), py::arg("seq_lens"), py::arg("scale"));
+        py::arg("seqs"), py::arg("q_starts"), py::arg("q_ends"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none());
   m.def("rms_norm", &rms_norm, "transformers' Llama RMSNorm");
   m.def("add_rms_norm", &add_rms_norm, "(x + residual, rms_norm(x + residual))");
   m.def("rotary_embedding_", &rotary_embedding_, "rotate q and k in place (transformers' rotate_half RoPE)");
@@ -20,6 +21,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "key/value [T, Hkv, D] quantized (int8 / fp8 e4m3, one fp16 scale per token and head) into the caches");
   m.def("argmax_logsumexp", &argmax_logsumexp, "per row: (argmax, logsumexp)");
   m.def("pack_linear_weight", &pack_linear_weight, "W [N, K] -> panels [ceil(N/16), K, 16], same dtype");
+  m.def("packed_linear_silu_mul", &packed_linear_silu_mul,
+        "silu(x @ W_gate^T) * (x @ W_up^T) over a fused [gate; up] packed weight, never writing the product",
+        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none());
   m.def("packed_linear", &packed_linear, "x @ W^T (+ bias) over a packed weight; fp32 accumulation",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none());
   m.def("pack_linear_weight_vnni", &pack_linear_weight_vnni,

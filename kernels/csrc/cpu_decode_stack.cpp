@@ -198,10 +198,12 @@ class DecodeStack {
     for (const auto& l : layers_)
       weights.push_back({resolve(l.qkv.w), resolve(l.o.w), resolve(l.gate_up.w), resolve(l.down.w)});
     GemmInput in_qkv, in_o, in_gu, in_down;
-    gemm_input_resize(weights[0].qkv, T, in_qkv);
-    gemm_input_resize(weights[0].o, T, in_o);
-    gemm_input_resize(weights[0].gate_up, T, in_gu);
-    gemm_input_resize(weights[0].down, T, in_down);
+    // fp32 inputs are read in place from the step's buffers where the tiles can (gemm_input_resize).
+    auto fp32 = [&](const torch::Tensor& t) { return dtype == at::kFloat ? t.data_ptr<float>() : nullptr; };
+    gemm_input_resize(weights[0].qkv, T, in_qkv, fp32(b.normed));
+    gemm_input_resize(weights[0].o, T, in_o, fp32(b.attn));
+    gemm_input_resize(weights[0].gate_up, T, in_gu, fp32(b.normed));
+    gemm_input_resize(weights[0].down, T, in_down, fp32(b.act));
     Inputs in{in_qkv, in_o, in_gu, in_down};
     if (onednn_rows > 0 && T >= onednn_rows) {
       for (const auto& l : layers_) TORCH_CHECK(l.onednn.size() == 4, "a layer without oneDNN weights");
@@ -335,8 +337,14 @@ class DecodeStack {
         for (int64_t t = r0; t < r1; ++t) add_rms_norm_row(res + t * H, o + t * H, post_w, res + t * H, h + t * H, H, l.post_eps);
         fill(w.gate_up, in.gate_up, h);
 #pragma omp barrier
-        matmul(w.gate_up, in.gate_up, gu);
-        for (int64_t t = r0; t < r1; ++t) silu_and_mul_row(gu + t * 2 * I, gu + t * 2 * I + I, act + t * I, I);
+        if (silu_mul_runs(w.gate_up, T)) {  // the product never written
+          const auto [c0, c1] = share(silu_mul_chunks(w.gate_up), tid, n);
+          silu_mul_panels(w.gate_up, in.gate_up, xt, act, c0, c1, wbuf);
+#pragma omp barrier
+        } else {
+          matmul(w.gate_up, in.gate_up, gu);
+          for (int64_t t = r0; t < r1; ++t) silu_and_mul_row(gu + t * 2 * I, gu + t * 2 * I + I, act + t * I, I);
+        }
         fill(w.down, in.down, act);
 #pragma omp barrier
         matmul(w.down, in.down, down);

@@ -215,6 +215,17 @@ inline void store_tile(const float* c, int64_t rows, int64_t ncols, const float*
 }
 
 // Panels [p0, p1) of y = x @ W^T for every row of x (packed into fp32 row tiles).
+constexpr int64_t WIDEN_ROWS = 2 * MR;  // from more rows, bf16 panels are widened to fp32 once per call
+// Whether the AVX-512 tiles run w for M rows: fp32 at every row count (each output one FMA chain over k in order,
+// whatever the batch, so a row's result does not depend on how many rows share its step: the thin kernels'
+// interleaved sums did, and greedy runs parted under preemption); bf16 panels widened from as many rows as before.
+inline bool zmm_tiles_run(const PackedWeight& w, int64_t M) {
+#ifdef PC_AVX512
+  return !w.vnni && (w.type == at::kFloat || (w.type == at::kBFloat16 && M > WIDEN_ROWS));
+#else
+  return false;
+#endif
+}
 #ifdef PC_AVX512
 using zmm::PZ;
 using zmm::tile_zmm;
@@ -226,6 +237,7 @@ void dense_panels_zmm(const PackedWeight& w, const GemmInput& in, X* y, int64_t 
   const int64_t M = in.M, N = w.N, K = w.K;
   const W* packed = static_cast<const W*>(w.w);
   if (widen && int64_t(wbuf.size()) < PZ * K * NR) wbuf.resize(PZ * K * NR);
+  const float* a = in.direct ? in.direct : in.xp.data();  // row i at a + i * K either way
   float c[PZ * MR * NR];
   for (int64_t m0 = 0; m0 < M; m0 += MC) {
     const int64_t m1 = std::min(M, m0 + MC);
@@ -244,8 +256,8 @@ void dense_panels_zmm(const PackedWeight& w, const GemmInput& in, X* y, int64_t 
       for (int64_t i = m0, t = 0; i < m1; i += MR, ++t) {
         const int64_t rows = std::min(MR, m1 - i);
         const int64_t first = t * K * pf_n;
-        tile_zmm(rows, np, in.xp.data() + i * K, b, K * NR, K, c, next + first * 64,
-                 first < next_lines ? pf_n : 0);
+        tile_zmm(rows, np, a + i * K, in.direct ? 1 : rows, in.direct ? K : 1, b, K * NR, 2 * K * NR, K, c,
+                 next + first * 64, first < next_lines ? pf_n : 0);
         for (int64_t q = 0; q < np; ++q) {
           const int64_t n0 = (p + q) * NR;
           store_tile(c + q * MR * NR, rows, std::min(NR, N - n0), w.bias, n0, y + i * N + n0, N);
@@ -256,15 +268,84 @@ void dense_panels_zmm(const PackedWeight& w, const GemmInput& in, X* y, int64_t 
 }
 #endif
 
+#ifdef PC_AVX512
+// out[r, 0:16) = silu(g[r] + bias_g) * (u[r] + bias_u) from two computed tiles (row stride 16), rounded where the
+// unfused ops round (to X after the matmul, after silu, after the product: silu_and_mul_row).
+template <typename X>
+inline void store_silu_mul(const float* g, const float* u, int64_t rows, const float* bias, int64_t ng, int64_t nu,
+                           X* out, int64_t ldo) {
+  const __m512 bg = bias ? _mm512_loadu_ps(bias + ng) : _mm512_setzero_ps();
+  const __m512 bu = bias ? _mm512_loadu_ps(bias + nu) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512 gv = _mm512_add_ps(_mm512_loadu_ps(g + r * NR), bg), uv = _mm512_add_ps(_mm512_loadu_ps(u + r * NR), bu);
+    if constexpr (std::is_same_v<X, float>) {
+      _mm512_storeu_ps(out + r * ldo, _mm512_mul_ps(zmm::silu_ps(gv), uv));
+    } else {
+      alignas(64) float t[NR], v[NR];
+      _mm512_store_ps(t, gv);
+      _mm512_store_ps(v, uv);
+      for (int64_t j = 0; j < NR; ++j) t[j] = static_cast<float>(static_cast<X>(t[j]));
+      _mm512_store_ps(t, zmm::silu_ps(_mm512_load_ps(t)));
+      for (int64_t j = 0; j < NR; ++j)
+        out[r * ldo + j] = static_cast<X>(static_cast<float>(static_cast<X>(t[j])) * static_cast<float>(static_cast<X>(v[j])));
+    }
+  }
+}
+
+// y[M, I] = silu(x Wg^T + bg) * (x Wu^T + bu) for w = [gate; up] (N = 2 I, I % 16 == 0), gate panels [p0, p1):
+// gate panels p, p + 1 and up's p, p + 1 share one tile, so the [M, 2 I] product is neither written nor read back
+// by a silu pass (which ran ~5% of a prompt's step, scalar exp).
+template <typename X, typename W>
+void silu_mul_panels_zmm(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1,
+                         std::vector<float>& wbuf) {
+  constexpr bool widen = !std::is_same_v<W, float>;
+  const int64_t M = in.M, I = w.N / 2, K = w.K, half = I / NR, ps = K * NR;
+  const W* packed = static_cast<const W*>(w.w);
+  if (widen && int64_t(wbuf.size()) < PZ * ps) wbuf.resize(PZ * ps);
+  const float* a = in.direct ? in.direct : in.xp.data();
+  float c[PZ * MR * NR];
+  for (int64_t m0 = 0; m0 < M; m0 += MC) {
+    const int64_t m1 = std::min(M, m0 + MC);
+    for (int64_t p = p0; p < p1; p += 2) {
+      const int64_t pairs = std::min<int64_t>(2, p1 - p);
+      const float* b = reinterpret_cast<const float*>(packed + p * ps);
+      int64_t hs = half * ps;
+      if constexpr (widen) {
+        for (int64_t q = 0; q < pairs; ++q) {
+          widen_panel(packed + (p + q) * ps, K, wbuf.data() + q * ps);
+          widen_panel(packed + (half + p + q) * ps, K, wbuf.data() + (pairs + q) * ps);
+        }
+        b = wbuf.data();
+        hs = pairs * ps;
+      }
+      // The next pairs' gate panels, then their up panels, asked for over this one's row tiles (dense_panels_zmm).
+      const int64_t next_pairs = std::min<int64_t>(2, p1 - p - pairs);
+      const int64_t side = next_pairs * ps * int64_t(sizeof(W)) / 64, next_lines = 2 * side;
+      const char* gate_next = reinterpret_cast<const char*>(packed + (p + pairs) * ps);
+      const char* up_next = reinterpret_cast<const char*>(packed + (half + p + pairs) * ps);
+      const int64_t tiles = (m1 - m0 + MR - 1) / MR, pf_n = (next_lines + tiles * K - 1) / (tiles * K);
+      for (int64_t i = m0, t = 0; i < m1; i += MR, ++t) {
+        const int64_t rows = std::min(MR, m1 - i);
+        const int64_t first = t * K * pf_n;
+        const char* pf = first < side ? gate_next + first * 64 : up_next + (first - side) * 64;
+        // One pair: gate and up as panels 0 and 1 (panel 1 at b + ps there).
+        tile_zmm(rows, 2 * pairs, a + i * K, in.direct ? 1 : rows, in.direct ? K : 1, b, pairs == 2 ? ps : hs, hs,
+                 K, c, pf, first < next_lines ? pf_n : 0);
+        for (int64_t q = 0; q < pairs; ++q)
+          store_silu_mul(c + q * MR * NR, c + (pairs + q) * MR * NR, rows, w.bias, (p + q) * NR, (half + p + q) * NR,
+                         y + i * I + (p + q) * NR, I);
+      }
+    }
+  }
+}
+#endif
+
 template <typename X, typename W>
 void dense_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1, std::vector<float>& wbuf) {
   const int64_t M = in.M, N = w.N, K = w.K;
   const W* packed = static_cast<const W*>(w.w);
-  const bool widen = M > 2 * MR;
+  const bool widen = M > WIDEN_ROWS;
 #ifdef PC_AVX512
-  // fp32 at every row count: each output is one FMA chain over k in order, whatever the batch, so a row's result
-  // does not depend on how many rows share its step (the thin kernels' interleaved sums did: greedy runs parted
-  // under preemption). bf16 panels are widened from as many rows as before.
   if (std::is_same_v<W, float> || widen) return dense_panels_zmm<X, W>(w, in, y, p0, p1, wbuf);
 #endif
   if (widen && int64_t(wbuf.size()) < K * NR) wbuf.resize(K * NR);
@@ -819,7 +900,7 @@ void run_linear(const PackedWeight& w, const torch::Tensor& x2, torch::Tensor& y
   // A reference: the parallel_for lambdas below must reach this thread's buffer, not their own thread's.
   static thread_local GemmInput kept;
   GemmInput& in = kept;
-  gemm_input_resize(w, x2.size(0), in);
+  gemm_input_resize(w, x2.size(0), in, x2.scalar_type() == at::kFloat ? x2.data_ptr<float>() : nullptr);
   const int64_t M = in.M;
   at::parallel_for(0, gemm_input_tiles(in), grain_for((in.int8 ? 1 : MR) * w.K), [&](int64_t b, int64_t e) {
     gemm_input_fill(w, x2.scalar_type(), x2.data_ptr(), in, b, e);
@@ -846,12 +927,58 @@ torch::Tensor run_packed(const torch::Tensor& x, PackedWeight w, const c10::opti
   if (x2.size(0) > 0) run_linear(w, x2, y);
   return y.view(out_sizes);
 }
+
+// silu(x W_gate^T) * (x W_up^T) over the fused [gate; up] packed weight: in the tiles where the AVX-512 ones run
+// fp32 or widened bf16 panels, else the product then silu_and_mul.
+torch::Tensor run_packed_silu_mul(const torch::Tensor& x, PackedWeight w, const c10::optional<torch::Tensor>& bias) {
+  const int64_t I = w.N / 2;
+  auto x2 = x.reshape({-1, w.K}).contiguous();
+  const int64_t M = x2.size(0);
+  if (!silu_mul_runs(w, M)) {
+    auto y = run_packed(x2, w, bias);
+    return silu_and_mul(y.narrow(1, 0, I), y.narrow(1, I, I)).view([&] {
+      auto sizes = x.sizes().vec();
+      sizes.back() = I;
+      return sizes;
+    }());
+  }
+#ifdef PC_AVX512
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == w.N, "bias: [2 * intermediate]");
+    w.bias = b.data_ptr<float>();
+  }
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = I;
+  auto y = torch::empty({M, I}, x.options());
+  if (M == 0) return y.view(out_sizes);
+  static thread_local GemmInput kept;  // as run_linear's
+  GemmInput& in = kept;
+  gemm_input_resize(w, M, in, x2.scalar_type() == at::kFloat ? x2.data_ptr<float>() : nullptr);
+  at::parallel_for(0, gemm_input_tiles(in), grain_for(MR * w.K), [&](int64_t t0, int64_t t1) {
+    gemm_input_fill(w, x2.scalar_type(), x2.data_ptr(), in, t0, t1);
+  });
+  at::parallel_for(0, silu_mul_chunks(w), grain_for(4 * M * w.K * NR, 65536), [&](int64_t c0, int64_t c1) {
+    std::vector<float> wbuf;
+    silu_mul_panels(w, in, x2.scalar_type(), y.data_ptr(), c0, c1, wbuf);
+  });
+  return y.view(out_sizes);
+#else
+  return torch::Tensor();
+#endif
+}
 }  // namespace
 
-void gemm_input_resize(const PackedWeight& w, int64_t M, GemmInput& in) {
+void gemm_input_resize(const PackedWeight& w, int64_t M, GemmInput& in, const float* fp32_x) {
   if (w.vnni) return vnni_input_resize(w, M, in);
   const int64_t K = w.K;
   in.M = M;
+  in.direct = fp32_x != nullptr && zmm_tiles_run(w, M) ? fp32_x : nullptr;
+  if (in.direct) {
+    in.int8 = false;
+    return;
+  }
   in.int8 = (w.type == at::kByte || w.type == at::kChar) && M <= w.int8_rows && w.group_size % QB == 0;
   if (in.int8) {
     in.xq.resize(M * K);
@@ -866,6 +993,7 @@ int64_t gemm_input_tiles(const GemmInput& in) { return in.int8 ? in.M : (in.M + 
 
 void gemm_input_fill(const PackedWeight& w, at::ScalarType x_type, const void* x, GemmInput& in, int64_t t0,
                      int64_t t1) {
+  if (in.direct) return;
   if (w.vnni) return vnni_input_fill(w, x_type, x, in, t0 * MR, t1 * MR);
   if (x_type == at::kFloat) return fill_input(w, static_cast<const float*>(x), in, t0, t1);
   TORCH_CHECK(x_type == at::kBFloat16, "x: float32 or bfloat16");
@@ -878,6 +1006,28 @@ void gemm_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_ty
   if (x_type == at::kFloat) return panels_of(w, in, static_cast<float*>(y), p0, p1, wbuf);
   TORCH_CHECK(x_type == at::kBFloat16, "x: float32 or bfloat16");
   panels_of(w, in, static_cast<c10::BFloat16*>(y), p0, p1, wbuf);
+}
+
+bool silu_mul_runs(const PackedWeight& w, int64_t M) { return zmm_tiles_run(w, M) && w.N % (2 * NR) == 0; }
+
+int64_t silu_mul_chunks(const PackedWeight& w) { return (w.N / (2 * NR) + 1) / 2; }
+
+void silu_mul_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t c0,
+                     int64_t c1, std::vector<float>& wbuf) {
+#ifdef PC_AVX512
+  const int64_t p0 = 2 * c0, p1 = std::min(w.N / (2 * NR), 2 * c1);
+  if (p0 >= p1) return;
+  TORCH_CHECK(x_type == at::kFloat || x_type == at::kBFloat16, "x: float32 or bfloat16");
+  if (x_type == at::kFloat) {
+    if (w.type == at::kFloat) return silu_mul_panels_zmm<float, float>(w, in, static_cast<float*>(y), p0, p1, wbuf);
+    return silu_mul_panels_zmm<float, c10::BFloat16>(w, in, static_cast<float*>(y), p0, p1, wbuf);
+  }
+  auto* yb = static_cast<c10::BFloat16*>(y);
+  if (w.type == at::kFloat) return silu_mul_panels_zmm<c10::BFloat16, float>(w, in, yb, p0, p1, wbuf);
+  silu_mul_panels_zmm<c10::BFloat16, c10::BFloat16>(w, in, yb, p0, p1, wbuf);
+#else
+  TORCH_CHECK(false, "silu_mul_panels: AVX-512 only (silu_mul_runs)");
+#endif
 }
 
 namespace {
@@ -929,6 +1079,21 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_f
   PackedWeight w{packed.scalar_type(), packed.data_ptr(), nullptr, nullptr, N, K, 0, 0};
   w.vnni = vnni;
   return run_packed(x, w, bias);
+}
+
+torch::Tensor packed_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                                     c10::optional<torch::Tensor> bias) {
+  const bool vnni = packed_is_vnni(packed);
+  TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == NR || vnni) && packed.is_contiguous(),
+              "packed: [panels, K, 16] panels or bf16 [panels, K / 2, 32] VNNI pairs");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x: float32 or bfloat16");
+  const int64_t K = vnni ? 2 * packed.size(1) : packed.size(1), N = out_features;
+  TORCH_CHECK(N % (2 * NR) == 0 && packed.size(0) * NR == N,
+              "out_features: the fused [gate; up] width, each half a multiple of 16, all of the packed weight");
+  TORCH_CHECK(x.size(-1) == K, "x's last dimension must be the weight's in_features");
+  PackedWeight w{packed.scalar_type(), packed.data_ptr(), nullptr, nullptr, N, K, 0, 0};
+  w.vnni = vnni;
+  return run_packed_silu_mul(x, w, bias);
 }
 
 // q: uint8 [N, K] values 0..15; scale, min: fp32 [N, K / G]. Returns (q panels uint8 [panels, K

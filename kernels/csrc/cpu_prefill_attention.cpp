@@ -5,12 +5,19 @@
 // GFLOP/s, with a gathered copy of K/V and a transposed copy of q around every call (~0.9 ms a prompt and layer).
 // Here both products run the GEMM's zmm tiles (zmm_tile.h): per (sequence, KV head) K's rows are packed once into
 // 16-key panels and V's into 16-column panels, then per query head and 6-row tile S = q K^T over the keys the
-// tile sees, a row-wise softmax into P (packed by key, the masked keys zero) and O = P V. fp32 math; q, the cache
-// and out in fp32 or bf16 (one dtype).
+// tile sees, a row-wise softmax into P (packed by key, the masked keys zero) and O = P V. fp32 math; q and out in
+// fp32 or bf16, the cache in their dtype or quantized (int8 / fp8 e4m3 with an fp16 scale per token and head,
+// de-quantized as kv_quant.dequantize does while K and V are packed). Each query row's result depends only on its
+// row and its keys, not on which rows share the call: a prompt computed after a prefix-cache hit or in chunks gets
+// the values it gets in one piece (with int8 KV, SDPA's causal path against a masked one differed in last bits that
+// moved quantized K/V a step, and greedy runs parted).
 #include "ops.h"
 #include "zmm_tile.h"
 
 #include <omp.h>
+
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -28,29 +35,24 @@ struct Prefill {
   const void *q, *k, *v;
   void* out;
   const int32_t* block_table;
-  int64_t hq, hkv, d, block_size, max_blocks, q_stride, out_stride, cache_stride;  // row strides; cache: per token
+  int64_t hq, hkv, d, block_size, max_blocks, q_stride, out_stride;  // row strides
+  int64_t block_stride;                     // cache elements per block (a quantized cache's blocks hold their scales too)
+  const c10::Half *k_scales, *v_scales;     // quantized caches: [num_blocks, block_size, Hkv] per block_scale_stride
+  int64_t scale_block_stride;
   float scale;
 };
+
 
 template <typename T>
 inline float f32(T x) { return static_cast<float>(x); }
 
-// exp for x <= 0 in 16 lanes: cpu_decode_attention.cpp's Cephes expf (~1 ulp), as AVX-512 (GCC left std::exp scalar).
-inline __m512 exp_nonpos(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+// A cache value as fp32: as it is, or de-quantized (q * scale in fp32, rounded to the query's dtype T).
+template <typename T, typename C>
+inline float kv_value(C x, float s) {
+  if constexpr (std::is_same_v<T, C>)
+    return f32(x);
+  else
+    return f32(static_cast<T>(static_cast<float>(x) * s));
 }
 
 // s[0, n) <- softmax(s * scale) in place.
@@ -65,7 +67,7 @@ inline void softmax_row(float* s, int64_t n, float scale) {
   __m512 vl = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 k = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
-    const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), vs), m));
+    const __m512 e = zmm::exp_ps(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), vs), m));
     _mm512_mask_storeu_ps(s + j, k, e);
     vl = _mm512_mask_add_ps(vl, k, vl, e);
   }
@@ -82,11 +84,12 @@ struct Scratch {
   float c[PZ * MR * NR];
 };
 
-template <typename T>
+template <typename T, typename C>
 void run_item(const Prefill& a, int64_t seq, int64_t g, int64_t q0, int64_t q1, int64_t len, Scratch& w) {
   const int64_t D = a.d, ql = q1 - q0, off = len - ql, lp = (len + NR - 1) / NR * NR, dp = D / NR;
-  const T* kc = static_cast<const T*>(a.k);
-  const T* vc = static_cast<const T*>(a.v);
+  const C* kc = static_cast<const C*>(a.k);
+  const C* vc = static_cast<const C*>(a.v);
+  constexpr bool quantized = !std::is_same_v<T, C>;
   const int32_t* bt = a.block_table + seq * a.max_blocks;
   w.kp.assign(lp * D, 0.f);
   w.vp.assign(D * lp, 0.f);
@@ -95,14 +98,20 @@ void run_item(const Prefill& a, int64_t seq, int64_t g, int64_t q0, int64_t q1, 
   w.pp.resize(lp * MR);
   // K: panel j / 16 holds [D][16 keys]; V: panel d / 16 holds [lp keys][16 columns].
   for (int64_t j = 0; j < len; ++j) {
-    const int64_t slot = int64_t(bt[j / a.block_size]) * a.block_size + j % a.block_size;
-    const T* kr = kc + slot * a.cache_stride + g * D;
-    const T* vr = vc + slot * a.cache_stride + g * D;
+    const int64_t block = bt[j / a.block_size], pos = j % a.block_size;
+    const C* kr = kc + block * a.block_stride + (pos * a.hkv + g) * D;
+    const C* vr = vc + block * a.block_stride + (pos * a.hkv + g) * D;
+    float ks = 1.f, vs = 1.f;
+    if constexpr (quantized) {
+      const int64_t si = block * a.scale_block_stride + pos * a.hkv + g;
+      ks = static_cast<float>(a.k_scales[si]);
+      vs = static_cast<float>(a.v_scales[si]);
+    }
     float* kd = w.kp.data() + (j / NR) * D * NR + j % NR;
-    for (int64_t e = 0; e < D; ++e) kd[e * NR] = f32(kr[e]);
+    for (int64_t e = 0; e < D; ++e) kd[e * NR] = kv_value<T>(kr[e], ks);
     for (int64_t p = 0; p < dp; ++p) {
       float* vd = w.vp.data() + p * lp * NR + j * NR;
-      for (int64_t e = 0; e < NR; ++e) vd[e] = f32(vr[p * NR + e]);
+      for (int64_t e = 0; e < NR; ++e) vd[e] = kv_value<T>(vr[p * NR + e], vs);
     }
   }
   const T* q = static_cast<const T*>(a.q);
@@ -155,25 +164,42 @@ bool paged_prefill_supported(int64_t head_dim) {
 
 void paged_prefill(torch::Tensor query, torch::Tensor out, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor block_table, std::vector<int64_t> seqs, std::vector<int64_t> q_starts,
-                   std::vector<int64_t> q_ends, std::vector<int64_t> seq_lens, double scale) {
+                   std::vector<int64_t> q_ends, std::vector<int64_t> seq_lens, double scale,
+                   c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales) {
   TORCH_CHECK(paged_prefill_supported(query.size(-1)), "paged_prefill: needs AVX-512 and head_dim % 16 == 0");
 #ifdef PC_AVX512
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes() && query.stride(2) == 1 && out.stride(2) == 1 &&
                   query.stride(1) == query.size(2) && out.stride(1) == out.size(2),
               "query/out: [T, Hq, D], each row's heads contiguous");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous(), "k/v cache: contiguous [num_blocks, block_size, Hkv, D]");
-  const auto dtype = query.scalar_type();
+  // Blocks may be strided (a quantized cache's data view), each block's [block_size, Hkv, D] contiguous.
+  auto blocks_ok = [](const torch::Tensor& c) {
+    return c.dim() == 4 && c.stride(3) == 1 && c.stride(2) == c.size(3) && c.stride(1) == c.size(2) * c.size(3);
+  };
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() && blocks_ok(k_cache),
+              "k/v cache: [num_blocks, block_size, Hkv, D], each block contiguous");
+  const auto dtype = query.scalar_type(), cache_type = k_cache.scalar_type();
+  const bool quantized = k_scales.has_value();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && out.scalar_type() == dtype &&
-                  k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
-              "paged_prefill: query, out and the caches in one dtype, float32 or bfloat16");
+                  v_cache.scalar_type() == cache_type,
+              "paged_prefill: query and out in one dtype, float32 or bfloat16; k and v caches in one");
+  TORCH_CHECK(quantized == v_scales.has_value() &&
+                  (quantized ? (cache_type == at::kChar || cache_type == at::kFloat8_e4m3fn) : cache_type == dtype),
+              "paged_prefill: the caches in the query's dtype, or int8 / fp8 e4m3 with k_scales and v_scales");
+  if (quantized)
+    TORCH_CHECK(k_scales->scalar_type() == at::kHalf && k_scales->dim() == 3 && k_scales->sizes() == v_scales->sizes() &&
+                    k_scales->strides() == v_scales->strides() && k_scales->size(0) == k_cache.size(0) &&
+                    k_scales->size(1) == k_cache.size(1) && k_scales->size(2) == k_cache.size(2) &&
+                    k_scales->stride(2) == 1 && k_scales->stride(1) == k_cache.size(2),
+                "k/v scales: fp16 [num_blocks, block_size, Hkv], each block contiguous");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 && block_table.is_contiguous(),
               "block_table: int32 [B, max_blocks]");
   const size_t n = seqs.size();
   TORCH_CHECK(q_starts.size() == n && q_ends.size() == n && seq_lens.size() == n, "one start, end, length a sequence");
   Prefill a{query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), block_table.data_ptr<int32_t>(),
             query.size(1), k_cache.size(2), query.size(2), k_cache.size(1), block_table.size(1), query.stride(0), out.stride(0),
-            k_cache.size(2) * k_cache.size(3), static_cast<float>(scale)};
+            k_cache.stride(0), quantized ? k_scales->data_ptr<c10::Half>() : nullptr,
+            quantized ? v_scales->data_ptr<c10::Half>() : nullptr, quantized ? k_scales->stride(0) : 0,
+            static_cast<float>(scale)};
   TORCH_CHECK(k_cache.size(3) == a.d && a.hq % a.hkv == 0, "head_dim and head counts of query and cache");
   for (size_t i = 0; i < n; ++i)
     TORCH_CHECK(0 <= q_starts[i] && q_starts[i] < q_ends[i] && q_ends[i] <= query.size(0) &&
@@ -195,10 +221,22 @@ void paged_prefill(torch::Tensor query, torch::Tensor out, torch::Tensor k_cache
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < int64_t(items.size()); ++t) {
       const auto [i, g] = items[t];
-      if (dtype == at::kFloat)
-        run_item<float>(a, seqs[i], g, q_starts[i], q_ends[i], seq_lens[i], w);
-      else
-        run_item<c10::BFloat16>(a, seqs[i], g, q_starts[i], q_ends[i], seq_lens[i], w);
+      const int64_t s = seqs[i], q0 = q_starts[i], q1 = q_ends[i], len = seq_lens[i];
+      if (dtype == at::kFloat) {
+        if (cache_type == at::kChar)
+          run_item<float, int8_t>(a, s, g, q0, q1, len, w);
+        else if (cache_type == at::kFloat8_e4m3fn)
+          run_item<float, c10::Float8_e4m3fn>(a, s, g, q0, q1, len, w);
+        else
+          run_item<float, float>(a, s, g, q0, q1, len, w);
+      } else {
+        if (cache_type == at::kChar)
+          run_item<c10::BFloat16, int8_t>(a, s, g, q0, q1, len, w);
+        else if (cache_type == at::kFloat8_e4m3fn)
+          run_item<c10::BFloat16, c10::Float8_e4m3fn>(a, s, g, q0, q1, len, w);
+        else
+          run_item<c10::BFloat16, c10::BFloat16>(a, s, g, q0, q1, len, w);
+      }
     }
   }
 #endif

@@ -67,10 +67,14 @@ struct GemmInput {
   std::vector<int8_t> xq;
   std::vector<c10::BFloat16> xb;  // VNNI weights: x in bf16 rows (whole 16-row tiles where AMX runs)
   bool amx = false;
+  // fp32 x read where it lies (row stride K) by the AVX-512 tiles, instead of a packed copy in xp: the copy of a
+  // 2048-row prompt's x cost ~10% of its matmul (down_proj), for no faster tile.
+  const float* direct = nullptr;
 };
 
-// Size `in` for M rows of x against w; then fill it by tiles [t0, t1) of gemm_input_tiles(...).
-void gemm_input_resize(const PackedWeight& w, int64_t M, GemmInput& in);
+// Size `in` for M rows of x against w; then fill it by tiles [t0, t1) of gemm_input_tiles(...). fp32_x: x itself
+// where it is fp32 [M, K] contiguous and stays put until the panels have run (then it may be read in place).
+void gemm_input_resize(const PackedWeight& w, int64_t M, GemmInput& in, const float* fp32_x = nullptr);
 int64_t gemm_input_tiles(const GemmInput& in);
 void gemm_input_fill(const PackedWeight& w, at::ScalarType x_type, const void* x, GemmInput& in, int64_t t0,
                      int64_t t1);
@@ -84,3 +88,10 @@ bool vnni_amx();  // whether AMX tiles run here (cpuid, and the OS granted the t
 // y[:, panels p0..p1) for all M rows; y [M, N] in x_type. wbuf: the thread's scratch.
 void gemm_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0, int64_t p1,
                  std::vector<float>& wbuf);
+// silu(x Wg^T) * (x Wu^T) into y [M, N / 2] over a fused [gate; up] weight (N = 2 I): whether it runs for M rows
+// (else: gemm_panels, then silu_and_mul_row), its work in chunks (two gate panels each, with their up panels), and
+// chunks [c0, c1) of it.
+bool silu_mul_runs(const PackedWeight& w, int64_t M);
+int64_t silu_mul_chunks(const PackedWeight& w);
+void silu_mul_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t c0,
+                     int64_t c1, std::vector<float>& wbuf);

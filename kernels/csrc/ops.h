@@ -23,7 +23,8 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor rows, torch::Tenso
 bool paged_prefill_supported(int64_t head_dim);
 void paged_prefill(torch::Tensor query, torch::Tensor out, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor block_table, std::vector<int64_t> seqs, std::vector<int64_t> q_starts,
-                   std::vector<int64_t> q_ends, std::vector<int64_t> seq_lens, double scale);
+                   std::vector<int64_t> q_ends, std::vector<int64_t> seq_lens, double scale,
+                   c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales);
 
 // cpu_layer_ops.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -43,6 +44,9 @@ torch::Tensor sample_inverse_cdf(torch::Tensor probs, torch::Tensor u);
 // cpu_gemm.cpp
 torch::Tensor pack_linear_weight(torch::Tensor weight);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias);
+// silu(x Wg^T + bg) * (x Wu^T + bu) over the fused [gate; up] packed weight (out_features = 2 I): [..., I].
+torch::Tensor packed_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                                     c10::optional<torch::Tensor> bias);
 // cpu_gemm_vnni.cpp
 torch::Tensor pack_linear_weight_vnni(torch::Tensor weight);
 bool vnni_amx();

@@ -1,6 +1,8 @@
 // The AVX-512 fp32 tile of the GEMM (cpu_gemm.cpp), shared with prefill attention (cpu_prefill_attention.cpp):
-// C[R, 16 P] = A @ P adjacent 16-column panels, A packed [K][R] (row r of step k at a[k * R + r]), panel q's
-// step k at b + q * ps + k * 16. Results go to c as P tiles of [6, 16].
+// C[R, 16 P] = A @ P adjacent 16-column panels, row r of A's step k at a[k * ka + r * ra] (packed [K][R]: ka = R,
+// ra = 1; fp32 rows in place: ka = 1, ra = the row stride), panel q's step k at b + (q % 2) * ps + (q / 2) * hs +
+// k * 16 (adjacent panels: hs = 2 ps; a fused gate/up weight's gate panels p, p + 1 beside up's p, p + 1: hs = the
+// up half's offset). Results go to c as P tiles of [6, 16].
 #pragma once
 #include <cstdint>
 
@@ -18,20 +20,20 @@ constexpr int64_t PZ = 4;  // panels per tile
 #define PC_PANELS(X, r) X(r, 0) X(r, 1) X(r, 2) X(r, 3)
 #define PC_ROWS_PANELS(X) PC_PANELS(X, 0) PC_PANELS(X, 1) PC_PANELS(X, 2) PC_PANELS(X, 3) PC_PANELS(X, 4) PC_PANELS(X, 5)
 template <int R, int P>
-__attribute__((noinline)) void micro_kernel_zmm(const float* a, const float* b, int64_t ps, int64_t K, float* c,
-                                                const char* pf, int64_t pf_n) {
+__attribute__((noinline)) void micro_kernel_zmm(const float* a, int64_t ka, int64_t ra, const float* b, int64_t ps,
+                                                int64_t hs, int64_t K, float* c, const char* pf, int64_t pf_n) {
 #define PZ_DECL(r, p) __m512 z##r##p = _mm512_setzero_ps();
   PC_ROWS_PANELS(PZ_DECL)
   for (int64_t k = 0; k < K; ++k) {
     const float* bk = b + k * NR;
     const __m512 b0 = _mm512_loadu_ps(bk);
     const __m512 b1 = P > 1 ? _mm512_loadu_ps(bk + ps) : b0;
-    const __m512 b2 = P > 2 ? _mm512_loadu_ps(bk + 2 * ps) : b0;
-    const __m512 b3 = P > 3 ? _mm512_loadu_ps(bk + 3 * ps) : b0;
-    const float* ak = a + k * R;
+    const __m512 b2 = P > 2 ? _mm512_loadu_ps(bk + hs) : b0;
+    const __m512 b3 = P > 3 ? _mm512_loadu_ps(bk + hs + ps) : b0;
+    const float* ak = a + k * ka;
     for (int64_t l = 0; l < pf_n; ++l) _mm_prefetch(pf + (k * pf_n + l) * 64, _MM_HINT_T0);
 #define PZ_FMA(r, p) \
-    if constexpr (R > r && P > p) z##r##p = _mm512_fmadd_ps(_mm512_set1_ps(ak[r]), b##p, z##r##p);
+    if constexpr (R > r && P > p) z##r##p = _mm512_fmadd_ps(_mm512_set1_ps(ak[r * ra]), b##p, z##r##p);
     PC_ROWS_PANELS(PZ_FMA)
   }
 #define PZ_STORE(r, p) \
@@ -40,26 +42,56 @@ __attribute__((noinline)) void micro_kernel_zmm(const float* a, const float* b, 
 }
 
 template <int R>
-inline void tile_zmm_rows(int64_t np, const float* a, const float* b, int64_t ps, int64_t K, float* c, const char* pf,
+inline void tile_zmm_rows(int64_t np, const float* a, int64_t ka, int64_t ra, const float* b, int64_t ps, int64_t hs, int64_t K, float* c, const char* pf,
                           int64_t pf_n) {
   switch (np) {
-    case 1: return micro_kernel_zmm<R, 1>(a, b, ps, K, c, pf, pf_n);
-    case 2: return micro_kernel_zmm<R, 2>(a, b, ps, K, c, pf, pf_n);
-    case 3: return micro_kernel_zmm<R, 3>(a, b, ps, K, c, pf, pf_n);
-    default: return micro_kernel_zmm<R, 4>(a, b, ps, K, c, pf, pf_n);
+    case 1: return micro_kernel_zmm<R, 1>(a, ka, ra, b, ps, hs, K, c, pf, pf_n);
+    case 2: return micro_kernel_zmm<R, 2>(a, ka, ra, b, ps, hs, K, c, pf, pf_n);
+    case 3: return micro_kernel_zmm<R, 3>(a, ka, ra, b, ps, hs, K, c, pf, pf_n);
+    default: return micro_kernel_zmm<R, 4>(a, ka, ra, b, ps, hs, K, c, pf, pf_n);
   }
 }
 
+inline void tile_zmm(int64_t rows, int64_t np, const float* a, int64_t ka, int64_t ra, const float* b, int64_t ps,
+                     int64_t hs, int64_t K, float* c, const char* pf, int64_t pf_n) {
+  switch (rows) {
+    case 1: return tile_zmm_rows<1>(np, a, ka, ra, b, ps, hs, K, c, pf, pf_n);
+    case 2: return tile_zmm_rows<2>(np, a, ka, ra, b, ps, hs, K, c, pf, pf_n);
+    case 3: return tile_zmm_rows<3>(np, a, ka, ra, b, ps, hs, K, c, pf, pf_n);
+    case 4: return tile_zmm_rows<4>(np, a, ka, ra, b, ps, hs, K, c, pf, pf_n);
+    case 5: return tile_zmm_rows<5>(np, a, ka, ra, b, ps, hs, K, c, pf, pf_n);
+    default: return tile_zmm_rows<6>(np, a, ka, ra, b, ps, hs, K, c, pf, pf_n);
+  }
+}
+
+// A packed [K][rows] (the common case).
 inline void tile_zmm(int64_t rows, int64_t np, const float* a, const float* b, int64_t ps, int64_t K, float* c,
                      const char* pf, int64_t pf_n) {
-  switch (rows) {
-    case 1: return tile_zmm_rows<1>(np, a, b, ps, K, c, pf, pf_n);
-    case 2: return tile_zmm_rows<2>(np, a, b, ps, K, c, pf, pf_n);
-    case 3: return tile_zmm_rows<3>(np, a, b, ps, K, c, pf, pf_n);
-    case 4: return tile_zmm_rows<4>(np, a, b, ps, K, c, pf, pf_n);
-    case 5: return tile_zmm_rows<5>(np, a, b, ps, K, c, pf, pf_n);
-    default: return tile_zmm_rows<6>(np, a, b, ps, K, c, pf, pf_n);
-  }
+  tile_zmm(rows, np, a, rows, 1, b, ps, 2 * ps, K, c, pf, pf_n);
+}
+
+// exp in 16 lanes, x clamped to [-87, 88]: Cephes' expf (~1 ulp) as in cpu_decode_attention.cpp, in AVX-512 (GCC
+// leaves std::exp scalar).
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// silu(x) = x / (1 + exp(-x)); NaN stays NaN (x itself is in the quotient).
+inline __m512 silu_ps(__m512 x) {
+  return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x))));
 }
 
 }  // namespace zmm

@@ -34,6 +34,9 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    # each sequence's prompt length, where known: a backend may run a chunk of prompt tokens and one of generated
+    # tokens (speculative verification) through different kernels (torch_backend.split_short_queries)
+    num_prompt_tokens_cpu: list[int] | None = None
 
 
 class AttentionBackend(ABC):

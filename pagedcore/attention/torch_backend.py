@@ -6,7 +6,12 @@ rows batched into one block-granular gather + SDPA, prefill rows through SDPA pe
 Short queries (speculative verification: k + 1 tokens per sequence; tiny prefill chunks) run as
 decode rows: their K/V are written first, so query token j of a sequence attends to the cache up
 to its own position, exactly the causal prefill. One batched decode call then replaces a
-gather + SDPA per sequence and layer, which costs more than the math at this size.
+gather + SDPA per sequence and layer, which costs more than the math at this size. Where the C++
+prefill kernel runs (AVX-512), short chunks of prompt tokens stay prompt rows: that kernel reads the
+cache in place (no gather), and a prompt then gets the same values whether it runs whole or as the
+tail after a prefix-cache hit (the decode kernel's sums differ from it in last bits, which int8 KV
+turned into greedy runs parting). Chunks of generated tokens (verification) stay decode rows, so
+that they match the plain decode steps.
 """
 
 from __future__ import annotations
@@ -42,16 +47,20 @@ def write_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
 SHORT_QUERY_MAX = 16
 
 
-def split_short_queries(md: AttentionMetadata, max_len: int = SHORT_QUERY_MAX) -> AttentionMetadata:
+def split_short_queries(md: AttentionMetadata, max_len: int = SHORT_QUERY_MAX,
+                        keep_prompts: bool = False) -> AttentionMetadata:
     """The same attention with every query of 2..max_len tokens as that many one-token rows, token j
-    seeing the context up to its own position. `md` itself when there is none to split."""
+    seeing the context up to its own position; with `keep_prompts`, not the queries wholly inside their
+    prompt (md.num_prompt_tokens_cpu). `md` itself when there is none to split."""
     qsl, lens = md.query_start_loc_cpu, md.seq_lens_cpu
     q_lens = [qsl[i + 1] - qsl[i] for i in range(len(lens))]
-    if not any(1 < n <= max_len for n in q_lens):
+    prompts = md.num_prompt_tokens_cpu if keep_prompts else None
+    split = [1 < n <= max_len and not (prompts is not None and lens[i] <= prompts[i]) for i, n in enumerate(q_lens)]
+    if not any(split):
         return md
     rows, new_qsl, new_lens = [], [0], []
     for i, n in enumerate(q_lens):
-        if 1 < n <= max_len:
+        if split[i]:
             rows += [i] * n
             new_lens += range(lens[i] - n + 1, lens[i] + 1)
             new_qsl += range(new_qsl[-1] + 1, new_qsl[-1] + n + 1)
@@ -64,8 +73,18 @@ def split_short_queries(md: AttentionMetadata, max_len: int = SHORT_QUERY_MAX) -
     return AttentionMetadata(
         num_tokens=md.num_tokens, query_start_loc=torch.tensor(new_qsl, dtype=torch.int32, device=dev),
         seq_lens=torch.tensor(new_lens, dtype=torch.int32, device=dev), block_table=md.block_table[index],
-        slot_mapping=md.slot_mapping, max_query_len=max((n for n in q_lens if n > max_len), default=1),
-        max_seq_len=md.max_seq_len, query_start_loc_cpu=new_qsl, seq_lens_cpu=new_lens, block_size=md.block_size)
+        slot_mapping=md.slot_mapping, max_query_len=max((n for n, s in zip(q_lens, split) if not s), default=1),
+        max_seq_len=md.max_seq_len, query_start_loc_cpu=new_qsl, seq_lens_cpu=new_lens, block_size=md.block_size,
+        num_prompt_tokens_cpu=None if md.num_prompt_tokens_cpu is None else
+        [md.num_prompt_tokens_cpu[i] for i in rows])
+
+
+def _prefill_kernel_runs(md: AttentionMetadata) -> bool:
+    """Whether the C++ prefill kernel runs here (AVX-512; head sizes that are multiples of 16, as most are)."""
+    if md.block_table.device.type != "cpu":
+        return False
+    ext = cpu_ext.load()
+    return ext is not None and ext.paged_prefill_supported(64)
 
 
 @dataclass
@@ -79,7 +98,7 @@ class TorchAttentionBackend(AttentionBackend):
     kv_cache_dtypes = kv_quant.KV_CACHE_DTYPES
 
     def build_metadata(self, common: AttentionMetadata) -> TorchAttentionMetadata:
-        return TorchAttentionMetadata(split_short_queries(common))
+        return TorchAttentionMetadata(split_short_queries(common, keep_prompts=_prefill_kernel_runs(common)))
 
     def forward(self, query, key, value, k_cache, v_cache, metadata, scale,
                 sliding_window=None, softcap=None) -> torch.Tensor:

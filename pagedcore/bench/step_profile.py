@@ -87,6 +87,8 @@ def _instrument_modules(engine, timers: StepTimers, set_attr) -> None:
             set_attr(module, "forward", timers.wrap("gemm", module.forward))
     for fused in fused_projections.installed(engine.model) if not captured(engine) else ():
         set_attr(fused, "run", timers.wrap("gemm", fused.run))  # q/k/v, gate/up as one matmul at decode
+        if fused.silu_mul is not None:  # gate/up with silu * up in its tiles: counted as GEMM
+            set_attr(fused, "silu_mul", timers.wrap("gemm", fused.silu_mul))
         # the members' timed forwards are still the fused ones: the group keeps running fused, as unprofiled
         set_attr(fused, "forwards", tuple(m.__dict__.get("forward") for m in fused.members))
 
