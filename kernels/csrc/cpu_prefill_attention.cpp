@@ -23,6 +23,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -55,8 +56,9 @@ inline float kv_value(C x, float s) {
     return f32(static_cast<T>(static_cast<float>(x) * s));
 }
 
-// s[0, n) <- softmax(s * scale) in place.
-inline void softmax_row(float* s, int64_t n, float scale) {
+// s[0, n) <- exp(s * scale - max) in place; returns 1 / their sum (applied to the row's output: R x D products
+// instead of a third pass over n).
+inline float softmax_row(float* s, int64_t n, float scale) {
   const __m512 vs = _mm512_set1_ps(scale);
   __m512 vm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < n; j += 16) {
@@ -71,16 +73,12 @@ inline void softmax_row(float* s, int64_t n, float scale) {
     _mm512_mask_storeu_ps(s + j, k, e);
     vl = _mm512_mask_add_ps(vl, k, vl, e);
   }
-  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vl));
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 k = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
-    _mm512_mask_storeu_ps(s + j, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), inv));
-  }
+  return 1.f / _mm512_reduce_add_ps(vl);
 }
 
 // Scratch of one thread, reused across items (sized for the longest sequence).
 struct Scratch {
-  std::vector<float> kp, vp, qp, s, pp;
+  std::vector<float> kp, vp, qp, s;
   float c[PZ * MR * NR];
 };
 
@@ -95,7 +93,6 @@ void run_item(const Prefill& a, int64_t seq, int64_t g, int64_t q0, int64_t q1, 
   w.vp.assign(D * lp, 0.f);
   w.qp.resize(D * MR);
   w.s.resize(MR * lp);
-  w.pp.resize(lp * MR);
   // K: panel j / 16 holds [D][16 keys]; V: panel d / 16 holds [lp keys][16 columns].
   for (int64_t j = 0; j < len; ++j) {
     const int64_t block = bt[j / a.block_size], pos = j % a.block_size;
@@ -120,31 +117,46 @@ void run_item(const Prefill& a, int64_t seq, int64_t g, int64_t q0, int64_t q1, 
   for (int64_t h = g * group; h < (g + 1) * group; ++h) {
     for (int64_t r0 = 0; r0 < ql; r0 += MR) {
       const int64_t R = std::min(MR, ql - r0), kmax = off + r0 + R, kpanels = (kmax + NR - 1) / NR;
-      for (int64_t e = 0; e < D; ++e)
-        for (int64_t r = 0; r < R; ++r) w.qp[e * R + r] = f32(q[(q0 + r0 + r) * a.q_stride + h * D + e]);
+      // fp32 q is read in place (row stride q_stride); bf16 widened into [D][R].
+      const float* qa = w.qp.data();
+      int64_t ka = R, ra = 1;
+      if constexpr (std::is_same_v<T, float>) {
+        qa = q + (q0 + r0) * a.q_stride + h * D;
+        ka = 1;
+        ra = a.q_stride;
+      } else {
+        for (int64_t e = 0; e < D; ++e)
+          for (int64_t r = 0; r < R; ++r) w.qp[e * R + r] = f32(q[(q0 + r0 + r) * a.q_stride + h * D + e]);
+      }
       for (int64_t p = 0; p < kpanels; p += PZ) {  // S[r][keys] = q_r . k_key
         const int64_t np = std::min(PZ, kpanels - p);
-        zmm::tile_zmm(R, np, w.qp.data(), w.kp.data() + p * D * NR, D * NR, D, w.c, nullptr, 0);
+        zmm::tile_zmm(R, np, qa, ka, ra, w.kp.data() + p * D * NR, D * NR, 2 * D * NR, D, w.c, nullptr, 0);
         for (int64_t t = 0; t < np; ++t)
           for (int64_t r = 0; r < R; ++r)
             std::copy_n(w.c + t * MR * NR + r * NR, NR, w.s.data() + r * lp + (p + t) * NR);
       }
+      float inv[MR];
       for (int64_t r = 0; r < R; ++r) {  // softmax over the keys row r sees (its position and before)
         float* sr = w.s.data() + r * lp;
         const int64_t vis = off + r0 + r + 1;
-        softmax_row(sr, vis, a.scale);
-        float* pr = w.pp.data() + r;
-        for (int64_t j = 0; j < vis; ++j) pr[j * R] = sr[j];
-        for (int64_t j = vis; j < kmax; ++j) pr[j * R] = 0.f;
+        inv[r] = softmax_row(sr, vis, a.scale);
+        std::fill(sr + vis, sr + kmax, 0.f);  // the keys after it: P = 0
       }
-      for (int64_t p = 0; p < dp; p += PZ) {  // O[r][columns] = sum over keys of P[r][key] v_key
+      for (int64_t p = 0; p < dp; p += PZ) {  // O[r][columns] = sum over keys of P[r][key] v_key, P read by rows
         const int64_t np = std::min(PZ, dp - p);
-        zmm::tile_zmm(R, np, w.pp.data(), w.vp.data() + p * lp * NR, lp * NR, kmax, w.c, nullptr, 0);
+        zmm::tile_zmm(R, np, w.s.data(), 1, lp, w.vp.data() + p * lp * NR, lp * NR, 2 * lp * NR, kmax, w.c, nullptr,
+                      0);
         for (int64_t t = 0; t < np; ++t)
           for (int64_t r = 0; r < R; ++r) {
             T* o = out + (q0 + r0 + r) * a.out_stride + h * D + (p + t) * NR;
-            const float* cr = w.c + t * MR * NR + r * NR;
-            for (int64_t e = 0; e < NR; ++e) o[e] = static_cast<T>(cr[e]);
+            const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(w.c + t * MR * NR + r * NR), _mm512_set1_ps(inv[r]));
+            if constexpr (std::is_same_v<T, float>) {
+              _mm512_storeu_ps(o, v);
+            } else {
+              alignas(64) float cr[NR];
+              _mm512_store_ps(cr, v);
+              for (int64_t e = 0; e < NR; ++e) o[e] = static_cast<T>(cr[e]);
+            }
           }
       }
     }
