@@ -31,7 +31,7 @@ __attribute__((noinline)) void micro_kernel_zmm(const float* a, int64_t ka, int6
     const __m512 b2 = P > 2 ? _mm512_loadu_ps(bk + hs) : b0;
     const __m512 b3 = P > 3 ? _mm512_loadu_ps(bk + hs + ps) : b0;
     const float* ak = a + k * ka;
-    for (int64_t l = 0; l < pf_n; ++l) _mm_prefetch(pf + (k * pf_n + l) * 64, _MM_HINT_T0);
+    for (int64_t l = 0; l < pf_n; ++l) _mm_prefetch(pf + (k * pf_n + l) * 64, _MM_HINT_T1);
 #define PZ_FMA(r, p) \
     if constexpr (R > r && P > p) z##r##p = _mm512_fmadd_ps(_mm512_set1_ps(ak[r * ra]), b##p, z##r##p);
     PC_ROWS_PANELS(PZ_FMA)
