@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedcore import fused_norms, fused_projections, lean_layers, packed_linear
+from pagedcore import fused_norms, fused_projections, huge_pages, lean_layers, packed_linear
 from pagedcore.attention import hf_glue
 from pagedcore.attention.backend import AttentionMetadata
 from pagedcore.config import EngineConfig
@@ -83,6 +83,7 @@ class ModelRunner:
             logger.info("fused projections: %d", fused_projections.install(model, device))
             if config.tensor_parallel_size == 1:  # (sharding re-slices dense weights)
                 logger.info("dense weights released: %d", packed_linear.release_dense(model))
+            huge_pages.install(model, device)  # before the decode stack takes the weights' addresses
         self.lora_manager = None
         if config.enable_lora:  # after the packed linears: the LoRA layers wrap whatever forward the base runs
             from pagedcore.lora.manager import LoRAManager

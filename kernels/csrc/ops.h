@@ -61,3 +61,6 @@ torch::Tensor packed_linear_int8(torch::Tensor x, torch::Tensor q, torch::Tensor
 
 // cpu_decode_stack.cpp: the DecodeStack class (a decoder stack for decode rows, one call per step).
 void bind_decode_stack(py::module& m);
+
+// huge_pages.cpp: a uint8 [nbytes] buffer in 2 MiB transparent huge pages where the OS gives them.
+torch::Tensor huge_page_buffer(int64_t nbytes);

@@ -1,0 +1,43 @@
+"""Packed weights moved into one buffer of 2 MiB transparent huge pages (pagedcore/huge_pages.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedcore import LLM, SamplingParams, huge_pages
+
+
+def test_buffer_is_2mib_aligned_and_usable(ext):
+    buf = ext.huge_page_buffer(5 << 20)
+    assert buf.dtype == torch.uint8 and buf.numel() == 5 << 20 and buf.data_ptr() % (2 << 20) == 0
+    buf.fill_(7)
+    assert int(buf[-1]) == 7 and int(buf.sum()) == 7 * (5 << 20)
+    with pytest.raises(RuntimeError, match="positive"):
+        ext.huge_page_buffer(0)
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_every_packed_weight_moves_and_the_tokens_stay(ext, tiny_model_dir, monkeypatch, quantization):
+    """With the size floor lowered for a tiny model: every packed tensor (fused weights, their members' views,
+    int4 codes and scales) ends in one storage at the buffer, and greedy tokens and logprobs are those of the
+    engine without it."""
+    prompts = [[5 + i for i in range(n)] for n in (3, 20, 41)]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
+    runs = {}
+    for floor in (1 << 62, 0):
+        monkeypatch.setattr(huge_pages, "MIN_BYTES", floor)
+        llm = LLM(str(tiny_model_dir("llama")), dtype="float32", num_kv_blocks=64, quantization=quantization)
+        tensors = huge_pages.packed_tensors(llm.engine.model)
+        storages = {t.untyped_storage().data_ptr() for t in tensors}
+        assert len(tensors) >= 10
+        if floor == 0:
+            assert len(storages) == 1 and storages.pop() % (2 << 20) == 0
+        else:
+            assert len(storages) > 1
+        runs[floor] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+    for a, b in zip(*runs.values()):
+        assert a.token_ids == b.token_ids
+        assert [lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids)] == \
+            [lp[t].logprob for lp, t in zip(b.logprobs, b.token_ids)]
