@@ -216,6 +216,7 @@ inline void store_tile(const float* c, int64_t rows, int64_t ncols, const float*
 
 // Panels [p0, p1) of y = x @ W^T for every row of x (packed into fp32 row tiles).
 constexpr int64_t WIDEN_ROWS = 2 * MR;  // from more rows, bf16 panels are widened to fp32 once per call
+constexpr int64_t ROW_SPLIT_ROWS = 2 * MC;  // from this many rows (read in place), threads split rows, not panels
 // Whether the AVX-512 tiles run w for M rows: fp32 at every row count (each output one FMA chain over k in order,
 // whatever the batch, so a row's result does not depend on how many rows share its step: the thin kernels'
 // interleaved sums did, and greedy runs parted under preemption); bf16 panels widened from as many rows as before.
@@ -902,6 +903,20 @@ void run_linear(const PackedWeight& w, const torch::Tensor& x2, torch::Tensor& y
   GemmInput& in = kept;
   gemm_input_resize(w, x2.size(0), in, x2.scalar_type() == at::kFloat ? x2.data_ptr<float>() : nullptr);
   const int64_t M = in.M;
+  if (in.direct && M >= ROW_SPLIT_ROWS) {
+    // A prompt's rows split between threads, each over every panel: no thread ends on a short panel group (k/v's
+    // 12 panels were 4 + 2 a thread), and a q/k/v/o weight (<= 1.3 MB) stays in each core's L2 across row blocks.
+    const int64_t row_bytes = w.N * y.element_size();
+    at::parallel_for(0, (M + MR - 1) / MR, MC / MR, [&](int64_t t0, int64_t t1) {
+      GemmInput part;
+      part.M = std::min(M, t1 * MR) - t0 * MR;
+      part.direct = in.direct + t0 * MR * w.K;
+      std::vector<float> wbuf;
+      gemm_panels(w, part, x2.scalar_type(), static_cast<char*>(y.data_ptr()) + t0 * MR * row_bytes, 0, w.panels(),
+                  wbuf);
+    });
+    return;
+  }
   at::parallel_for(0, gemm_input_tiles(in), grain_for((in.int8 ? 1 : MR) * w.K), [&](int64_t b, int64_t e) {
     gemm_input_fill(w, x2.scalar_type(), x2.data_ptr(), in, b, e);
   });
