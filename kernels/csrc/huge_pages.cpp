@@ -9,6 +9,8 @@
 #include <sys/mman.h>
 #endif
 
+#include <ATen/Parallel.h>
+
 #include <cstdlib>
 
 torch::Tensor huge_page_buffer(int64_t nbytes) {
@@ -26,6 +28,11 @@ torch::Tensor huge_page_buffer(int64_t nbytes) {
     const size_t tail = (base + len + kHuge) - (start + len);
     if (tail > 0) munmap(start + len, tail);
     madvise(start, len, MADV_HUGEPAGE);  // advice only: without THP the pages stay 4 KiB
+    // First touch from every thread: a fresh huge page costs the kernel ~2-3 ms here (0.8 s for the bundled
+    // model's 513 MiB on one thread, 0.43 on two, against 0.11 for 4 KiB pages).
+    at::parallel_for(0, int64_t(len / kHuge), 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) start[i * kHuge] = 0;
+    });
     return torch::from_blob(start, {nbytes}, [len](void* p) { munmap(p, len); }, opts);
   }
 #endif
