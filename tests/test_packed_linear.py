@@ -380,3 +380,20 @@ def test_silu_mul_rows_do_not_depend_on_the_batch(ext):
     full = ext.packed_linear_silu_mul(x, w, 3072)
     for a, b in ((0, 1), (64, 72), (90, 100), (460, 470)):
         assert torch.equal(ext.packed_linear_silu_mul(x[a:b].clone(), w, 3072), full[a:b]), (a, b)
+
+
+def test_a_vnni_call_after_an_in_place_fp32_call_reads_its_own_input(ext, monkeypatch):
+    """The per-thread input buffer is shared by every packed layout: after a call that read its fp32 x in place
+    (and split rows between threads), a call on VNNI pairs must fill and read its own input, not the stale
+    pointer (it read freed memory: wrong values, then a crash, in the CI order of the tests)."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(64, 96, generator=g)
+    x = torch.randn(300, 96, generator=g)
+    ext.packed_linear(x, ext.pack_linear_weight(w), 64)  # >= 192 fp32 rows: in place, rows split
+    del x
+    wb = torch.randn(48, 64, generator=g).bfloat16()
+    packed = ext.pack_linear_weight_vnni(wb)
+    for m in (1, 5, 300):
+        xb = torch.randn(m, 64, generator=g).bfloat16()
+        want = (xb.float() @ wb.float().t()).bfloat16()
+        torch.testing.assert_close(ext.packed_linear(xb, packed, 48), want, rtol=1.6e-2, atol=1e-2)

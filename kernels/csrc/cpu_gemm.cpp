@@ -986,6 +986,7 @@ torch::Tensor run_packed_silu_mul(const torch::Tensor& x, PackedWeight w, const 
 }  // namespace
 
 void gemm_input_resize(const PackedWeight& w, int64_t M, GemmInput& in, const float* fp32_x) {
+  in.direct = nullptr;  // `in` may be a kept one, last used by a call that read its x in place
   if (w.vnni) return vnni_input_resize(w, M, in);
   const int64_t K = w.K;
   in.M = M;
