@@ -191,3 +191,24 @@ def test_stack_rope_table_and_positions_past_it(tiny_model_dir, stack_steps, mon
 
     monkeypatch.setattr(decode_stack, "ROPE_TABLE_MAX", 40)  # the prompts cross it while decoding
     _compare(tiny_model_dir("llama"), stack_steps, dtype="bfloat16")
+
+
+def test_stack_phase_timers_change_nothing_and_count_its_steps(tiny_model_dir, stack_steps):
+    """`bench step` turns the stack's phase timers on: same tokens and logprobs, every stack step timed."""
+    _, want = _run(tiny_model_dir("llama"), decode_stack=True)
+    plain_steps = len(stack_steps)
+    engine = LLMEngine(model=str(tiny_model_dir("llama")), max_num_seqs=8, decode_stack=True)
+    stack = engine.runner.decode_stack.stack
+    stack.set_profiling(True)
+    ids = [engine.add_request(None, p, GREEDY) for p in PROMPTS]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = [(c.token_ids, [{t: lp.logprob for t, lp in s.items()} for s in c.logprobs])
+                                        for c in out.outputs]
+    assert [done[i] for i in ids] == want
+    gemm, attention, other, steps = stack.take_profile()
+    assert steps == sum(stack_steps[plain_steps:]) > 0
+    assert gemm > 0 and attention > 0 and other > 0
+    assert stack.take_profile() == (0.0, 0.0, 0.0, 0)  # taken: reset

@@ -15,6 +15,8 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -220,6 +222,18 @@ class DecodeStack {
 
   int64_t num_layers() const { return int64_t(layers_.size()); }
 
+  // Wall time of the panel steps' phases, for `bench step` (the stack is one call, so no outside timer can split
+  // it): thread 0 stamps each phase's end after its barrier, so waits count in the phase that caused them.
+  // (gemm, attention = RoPE + cache write + paged attention, other = norms and input tiles), seconds and steps since
+  // the last take; steps that ran oneDNN's linears are not split.
+  void set_profiling(bool on) { profiling_ = on; }
+  std::tuple<double, double, double, int64_t> take_profile() {
+    auto out = std::make_tuple(profile_[0], profile_[1], profile_[2], profile_steps_);
+    profile_ = {0.0, 0.0, 0.0};
+    profile_steps_ = 0;
+    return out;
+  }
+
  private:
   struct Buffers {
     torch::Tensor residual, normed, qkv, attn, o, gate_up, act, down;
@@ -293,10 +307,21 @@ class DecodeStack {
     const X *cos = cos_t.data_ptr<X>(), *sin = sin_t.data_ptr<X>();
     const auto xt = b.residual.scalar_type();
     const int64_t H = H_, I = I_;
+    enum Part { GEMM, ATTENTION, OTHER };
+    using clock = std::chrono::steady_clock;
+    const bool profiling = profiling_;
+    profile_steps_ += profiling;
 #pragma omp parallel num_threads(nth)
     {
       const int64_t tid = omp_get_thread_num(), n = omp_get_num_threads();
       std::vector<float> wbuf;
+      auto last = clock::now();
+      auto mark = [&](Part part) {  // the phase since the last mark ended (after its barrier)
+        if (!profiling || tid != 0) return;
+        const auto now = clock::now();
+        profile_[part] += std::chrono::duration<double>(now - last).count();
+        last = now;
+      };
       // Rows of this thread in whole GEMM input tiles, so it also prepares those tiles (no barrier between).
       const auto [r0, r1] = share(T, tid, n, TILE);
       auto fill = [&](const PackedWeight& w, GemmInput& g, const X* x) {
@@ -306,6 +331,7 @@ class DecodeStack {
         const auto [p0, p1] = share(w.panels(), tid, n);
         if (p0 < p1) gemm_panels(w, g, xt, y, p0, p1, wbuf);
 #pragma omp barrier
+        mark(GEMM);
       };
       for (size_t li = 0; li < layers_.size(); ++li) {
         const StackLayer& l = layers_[li];
@@ -320,6 +346,7 @@ class DecodeStack {
         }
         fill(w.qkv, in.qkv, h);
 #pragma omp barrier
+        mark(OTHER);
         matmul(w.qkv, in.qkv, qkv);
         rope_and_cache(l, qkv, cos, sin, slots, r0, r1);
 #pragma omp barrier
@@ -331,22 +358,27 @@ class DecodeStack {
           if (tid == 0) a.combine();
 #pragma omp barrier
         }
+        mark(ATTENTION);
         fill(w.o, in.o, attn);
 #pragma omp barrier
+        mark(OTHER);
         matmul(w.o, in.o, o);
         for (int64_t t = r0; t < r1; ++t) add_rms_norm_row(res + t * H, o + t * H, post_w, res + t * H, h + t * H, H, l.post_eps);
         fill(w.gate_up, in.gate_up, h);
 #pragma omp barrier
+        mark(OTHER);
         if (silu_mul_runs(w.gate_up, T)) {  // the product never written
           const auto [c0, c1] = share(silu_mul_chunks(w.gate_up), tid, n);
           silu_mul_panels(w.gate_up, in.gate_up, xt, act, c0, c1, wbuf);
 #pragma omp barrier
+          mark(GEMM);
         } else {
           matmul(w.gate_up, in.gate_up, gu);
           for (int64_t t = r0; t < r1; ++t) silu_and_mul_row(gu + t * 2 * I, gu + t * 2 * I + I, act + t * I, I);
         }
         fill(w.down, in.down, act);
 #pragma omp barrier
+        mark(OTHER);
         matmul(w.down, in.down, down);
       }
       // The last layer's residual add.
@@ -418,6 +450,9 @@ class DecodeStack {
 
   int64_t H_, hq_, hkv_, d_, I_;
   std::vector<StackLayer> layers_;
+  bool profiling_ = false;
+  std::array<double, 3> profile_{0.0, 0.0, 0.0};
+  int64_t profile_steps_ = 0;
 };
 
 }  // namespace
@@ -430,5 +465,7 @@ void bind_decode_stack(py::module& m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("add_onednn", &DecodeStack::add_onednn)
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
+      .def("set_profiling", &DecodeStack::set_profiling)
+      .def("take_profile", &DecodeStack::take_profile)
       .def_property_readonly("num_layers", &DecodeStack::num_layers);
 }

@@ -111,7 +111,8 @@ def step_profile_table(rows: list[dict]) -> list[str]:
     header = ["batch", "path", "step", "prepare", "GEMMs", "attention", "other forward", "sample", "output",
               "floor: read weights", "floor: read K/V", "floor: matmul at peak"]
     return ["**Decode step profile** (ms per step; floors measured in the same run; the decode stack runs every "
-            "layer in one C++ call, so its GEMMs and attention are inside \"other forward\")", "",
+            "layer in one C++ call and times its own phases, each up to the barrier that ends it: attention there is "
+            "RoPE, the cache write and paged attention; its GEMMs include the LM head)", "",
             *_table(header, body, "rlrrrrrrrrrr")]
 
 

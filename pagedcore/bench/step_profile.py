@@ -14,10 +14,11 @@ bandwidth (bounds a batch-1 step) and the step's matmul FLOPs at the matmul peak
 CPU only: on a GPU these timers would need synchronisation.
 With a captured forward (`--compile`), the linears live inside the compiled graph, where no timer
 can wrap them: GEMMs are reported as "-" and "other forward" holds them (attention, an opaque op
-called by the graph, is still timed). The same holds for the decode stack (pagedcore/decode_stack.py:
-every layer in one C++ call): its row reports the real step, GEMMs and attention "-" inside "other
-forward"; a second row times the same batch layer by layer with the GEMM / attention timers (wrapping
-the linears turns the stack off, as any replaced forward does), to show where the time goes.
+called by the graph, is still timed). The decode stack (pagedcore/decode_stack.py: every layer in one
+C++ call) times its own phases (GEMMs; attention = RoPE, cache write and paged attention; the rest),
+each up to the barrier that ends it, and its row adds the LM head's GEMM; a second row times the same
+batch layer by layer with the Python timers (wrapping the linears turns the stack off, as any replaced
+forward does). Stack steps that run oneDNN's linears (AMX CPUs, many rows) are not split: "-" there.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ PARTS = ("prepare", "gemm", "attention", "other_forward", "sample", "output")
 class StepTimers:
     def __init__(self):
         self.total = defaultdict(float)
+        self.stack: dict | None = None  # the decode stack's own phase times (DecodeStack.take_profile)
 
     def wrap(self, key: str, fn):
         total = self.total
@@ -71,11 +73,22 @@ def instrument(engine, timers: StepTimers, per_module: bool = True):
     set_attr(engine, "sampler", timers.wrap("sample", engine.sampler))
     if per_module:
         _instrument_modules(engine, timers, set_attr)
+    stack = getattr(runner, "decode_stack", None)
+    if not per_module and stack is not None:
+        # The stack times its own phases; the LM head after it is a module the stack does not stand in for.
+        head = engine.model.get_output_embeddings()
+        set_attr(head, "forward", timers.wrap("gemm", head.forward))
+        stack.stack.take_profile()
+        stack.stack.set_profiling(True)
+        undo.append(lambda: stack.stack.set_profiling(False))
     try:
         yield
     finally:
         for fn in reversed(undo):
             fn()
+        if not per_module and stack is not None:
+            gemm, attention, _, stack_steps = stack.stack.take_profile()
+            timers.stack = {"gemm": gemm, "attention": attention, "steps": stack_steps}
 
 
 def _instrument_modules(engine, timers: StepTimers, set_attr) -> None:
@@ -136,14 +149,19 @@ def _profile(engine, batch: int, prompt_len: int, steps: int, per_module: bool) 
     while engine.has_unfinished_requests():
         engine.step()
     t = timers.total
+    # Every timed step through the stack's panel phases: its GEMM and attention phases split its forward.
+    split = timers.stack is not None and timers.stack["steps"] == steps and not compiled
+    if split:
+        t["gemm"] += timers.stack["gemm"]
+        t["attention"] += timers.stack["attention"]
     forward = t["execute"] - t["prepare"]
     ms = {"prepare": t["prepare"], "gemm": t["gemm"], "attention": t["attention"],
           "other_forward": forward - t["gemm"] - t["attention"], "sample": t["sample"],
           "output": t_step - t["execute"] - t["sample"]}
     row = {k: round(v / steps * 1e3, 2) for k, v in ms.items()}
-    if opaque:
-        row["gemm"] = None  # inside the captured graph / the stack: counted in other_forward
-    if not per_module:
+    if opaque and not split:
+        row["gemm"] = None  # inside the captured graph / a stack step not split: counted in other_forward
+    if not per_module and not split:
         row["attention"] = None
     row.update(batch=batch, step_ms=round(t_step / steps * 1e3, 2), compiled=compiled, decode_stack=not per_module)
     return row
