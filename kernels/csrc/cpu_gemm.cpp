@@ -253,12 +253,13 @@ void dense_panels_zmm(const PackedWeight& w, const GemmInput& in, X* y, int64_t 
       // its row tiles: from memory they would stall the first tile at a memory latency per page.
       const char* next = reinterpret_cast<const char*>(packed + (p + np) * K * NR);
       const int64_t next_lines = std::min(PZ, p1 - p - np) * K * NR * int64_t(sizeof(W)) / 64;
-      const int64_t tiles = (m1 - m0 + MR - 1) / MR, pf_n = (next_lines + tiles * K - 1) / (tiles * K);
+      const int64_t tiles = (m1 - m0 + MR - 1) / MR;
+      const zmm::PrefetchSpread pf(next_lines, tiles * K);
       for (int64_t i = m0, t = 0; i < m1; i += MR, ++t) {
         const int64_t rows = std::min(MR, m1 - i);
-        const int64_t first = t * K * pf_n;
+        const int64_t first = t * pf.per_tile(K);
         tile_zmm(rows, np, a + i * K, in.direct ? 1 : rows, in.direct ? K : 1, b, K * NR, 2 * K * NR, K, c,
-                 next + first * 64, first < next_lines ? pf_n : 0);
+                 next + first * 64, first < next_lines ? pf.n : 0, pf.every);
         for (int64_t q = 0; q < np; ++q) {
           const int64_t n0 = (p + q) * NR;
           store_tile(c + q * MR * NR, rows, std::min(NR, N - n0), w.bias, n0, y + i * N + n0, N);
@@ -324,14 +325,15 @@ void silu_mul_panels_zmm(const PackedWeight& w, const GemmInput& in, X* y, int64
       const int64_t side = next_pairs * ps * int64_t(sizeof(W)) / 64, next_lines = 2 * side;
       const char* gate_next = reinterpret_cast<const char*>(packed + (p + pairs) * ps);
       const char* up_next = reinterpret_cast<const char*>(packed + (half + p + pairs) * ps);
-      const int64_t tiles = (m1 - m0 + MR - 1) / MR, pf_n = (next_lines + tiles * K - 1) / (tiles * K);
+      const int64_t tiles = (m1 - m0 + MR - 1) / MR;
+      const zmm::PrefetchSpread spread(next_lines, tiles * K);
       for (int64_t i = m0, t = 0; i < m1; i += MR, ++t) {
         const int64_t rows = std::min(MR, m1 - i);
-        const int64_t first = t * K * pf_n;
+        const int64_t first = t * spread.per_tile(K);
         const char* pf = first < side ? gate_next + first * 64 : up_next + (first - side) * 64;
         // One pair: gate and up as panels 0 and 1 (panel 1 at b + ps there).
         tile_zmm(rows, 2 * pairs, a + i * K, in.direct ? 1 : rows, in.direct ? K : 1, b, pairs == 2 ? ps : hs, hs,
-                 K, c, pf, first < next_lines ? pf_n : 0);
+                 K, c, pf, first < next_lines ? spread.n : 0, spread.every);
         for (int64_t q = 0; q < pairs; ++q)
           store_silu_mul(c + q * MR * NR, c + (pairs + q) * MR * NR, rows, w.bias, (p + q) * NR, (half + p + q) * NR,
                          y + i * I + (p + q) * NR, I);
