@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -502,6 +503,40 @@ PC_INLINE void pv_sub(const float* w, int64_t count, const T* v, const int64_t* 
   for (; c < d; c += 16) pv_tile<T, G, 1, false, D>(w, count, v, off, t0, t1, c, acc, d, pfb, pf, 0, 0);
 }
 
+#if defined(__AVX512F__)
+// pv_tile for an fp32 cache, 3 heads of one KV head, head_dim 64, on AVX-512: each head's whole output row in 4
+// zmm, so one pass over the tile's positions loads each V row and broadcasts each weight once (the AVX2 tile takes
+// 4 passes of 16 columns, re-broadcasting the weights in each). Each output element is the same FMA chain over the
+// positions in order as there: bit for bit the AVX2 result. 64 sequences x 176 positions, 30 layers, 2 threads:
+// 9.5 -> 8.8 ms over cache-resident blocks, 22.4 -> 21.8 ms with the cache past the LLC.
+PC_INLINE void pv_tile_g3_d64(const float* w, int64_t count, const float* v, const int64_t* off, int64_t t0,
+                              int64_t t1, float* acc, const float* pfb, const int64_t* pf, int64_t npf,
+                              int64_t pf_len) {
+  __m512 a[3][4];
+#pragma GCC unroll 3
+  for (int h = 0; h < 3; ++h)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) a[h][j] = _mm512_loadu_ps(acc + h * 64 + 16 * j);
+  for (int64_t t = t0; t < t1; ++t) {
+    if (t - t0 < npf) prefetch_row(pfb + pf[t - t0], pf_len);
+    const float* vr = v + off[t];
+    __m512 x[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) x[j] = _mm512_loadu_ps(vr + 16 * j);
+#pragma GCC unroll 3
+    for (int h = 0; h < 3; ++h) {
+      const __m512 wt = _mm512_set1_ps(w[h * count + t]);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) a[h][j] = _mm512_fmadd_ps(wt, x[j], a[h][j]);
+    }
+  }
+#pragma GCC unroll 3
+  for (int h = 0; h < 3; ++h)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + h * 64 + 16 * j, a[h][j]);
+}
+#endif
+
 // acc [hkv * g, d] (Rows<T> order) += sum_t w[h * count + t] * v_t (row t of KV head kv = h / g at
 // v + off[t] + kv * d). Tiles of a few positions whose cache rows (all KV heads) stay in L1 while
 // every (KV head, head sub-group, column block) pass goes over them; the first pass over a tile
@@ -512,6 +547,20 @@ void pv_avx2(const float* w, int64_t hkv, int64_t g, const T* v, const int64_t* 
   const int64_t d = D > 0 ? D : d_;
   const int64_t tile = std::max<int64_t>(8, std::min<int64_t>(32, 12288 / (row_elems * int64_t(sizeof(T)))));
   const bool by3 = g % 3 == 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> && D == 64) {
+    if (by3) {
+      for (int64_t t0 = 0; t0 < count; t0 += tile) {
+        const int64_t t1 = std::min(count, t0 + tile);
+        int64_t npf = std::min(count, t1 + tile) - t1;
+        for (int64_t kv = 0; kv < hkv; ++kv)
+          for (int64_t h = kv * g; h < (kv + 1) * g; h += 3, npf = 0)
+            pv_tile_g3_d64(w + h * count, count, v + kv * 64, off, t0, t1, acc + h * 64, v, off + t1, npf, row_elems);
+      }
+      return;
+    }
+  }
+#endif
   for (int64_t t0 = 0; t0 < count; t0 += tile) {
     const int64_t t1 = std::min(count, t0 + tile);
     int64_t npf = std::min(count, t1 + tile) - t1;
