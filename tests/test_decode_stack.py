@@ -38,10 +38,13 @@ def stack_steps(monkeypatch):
     return calls
 
 
-def _run(model_dir, prompts=PROMPTS, params=GREEDY, **settings):
-    """Each request's outputs as (token ids, logprobs per token); the engine after all finished."""
+def _run(model_dir, prompts=PROMPTS, params=GREEDY, before=None, **settings):
+    """Each request's outputs as (token ids, logprobs per token); the engine after all finished. `before(engine)`
+    runs before the requests are added."""
     settings.setdefault("max_num_seqs", 8)
     engine = LLMEngine(model=str(model_dir), **settings)
+    if before is not None:
+        before(engine)
     ids = [engine.add_request(None, p, params) for p in prompts]
     done = {}
     while engine.has_unfinished_requests():
@@ -197,17 +200,10 @@ def test_stack_phase_timers_change_nothing_and_count_its_steps(tiny_model_dir, s
     """`bench step` turns the stack's phase timers on: same tokens and logprobs, every stack step timed."""
     _, want = _run(tiny_model_dir("llama"), decode_stack=True)
     plain_steps = len(stack_steps)
-    engine = LLMEngine(model=str(tiny_model_dir("llama")), max_num_seqs=8, decode_stack=True)
+    engine, got = _run(tiny_model_dir("llama"), decode_stack=True,
+                       before=lambda e: e.runner.decode_stack.stack.set_profiling(True))
+    assert got == want
     stack = engine.runner.decode_stack.stack
-    stack.set_profiling(True)
-    ids = [engine.add_request(None, p, GREEDY) for p in PROMPTS]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = [(c.token_ids, [{t: lp.logprob for t, lp in s.items()} for s in c.logprobs])
-                                        for c in out.outputs]
-    assert [done[i] for i in ids] == want
     gemm, attention, other, steps = stack.take_profile()
     assert steps == sum(stack_steps[plain_steps:]) > 0
     assert gemm > 0 and attention > 0 and other > 0
