@@ -15,7 +15,7 @@ import time
 import pytest
 import requests
 
-from pagedcore.distributed.executor import free_port
+from pagedcore.distributed.launch import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ import torch
 
 from conftest import hf_greedy
 from pagedcore import LLM, EngineDeadError, RequestFailedError, SamplingParams, hookimpl
-from pagedcore.distributed.executor import free_port
+from pagedcore.distributed.launch import free_port
 
 # One torch thread per rank: three ranks share two cores.
 FP32 = dict(dtype="float32", num_kv_blocks=128, max_num_seqs=8, num_threads=1)

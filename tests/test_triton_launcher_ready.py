@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from pagedcore.distributed.executor import free_port
+from pagedcore.distributed.launch import free_port
 
 
 class Ok(BaseHTTPRequestHandler):

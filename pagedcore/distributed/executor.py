@@ -28,12 +28,10 @@ import dataclasses
 import logging
 import os
 import pickle
-import shutil
 import signal
 import socket
 import struct
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -46,6 +44,7 @@ import torch.distributed as dist
 from pagedcore.config import EngineConfig
 from pagedcore.distributed import tp_plan
 from pagedcore.distributed.comm import Comm
+from pagedcore.distributed.launch import _td, external_rendezvous, free_port, python_executable, set_threads
 from pagedcore.input_batch import StepInputs
 from pagedcore.model_runner import ModelRunner, ModelShape, available_memory
 
@@ -53,7 +52,6 @@ logger = logging.getLogger("pagedcore")
 
 STOP, END_CALL, STATS, NOOP = "stop", "end_call", "stats", "noop"
 STOP_GRACE_S = 10.0
-_instances = iter(range(1 << 62))  # the same on every rank of an SPMD script: one store prefix per engine
 
 
 class WorkerFailedError(RuntimeError):
@@ -108,23 +106,7 @@ class DriverRunner(ModelRunner):
         return self.executor.run_step(msg, super().execute)
 
 
-# ---- every rank: rendezvous, shard, runner --------------------------------------------------------------
-def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
-    device = config.torch_device()
-    if device.type == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    return device
-
-
-def set_threads(config: EngineConfig, device: torch.device, local_world_size: int) -> None:
-    """CPU ranks on one host share its cores: by default each takes its share of them."""
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
-    elif device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
-
-
+# ---- every rank: shard, runner --------------------------------------------------------------------------
 def shard(model, comm: Comm, config: EngineConfig) -> dict:
     summary = tp_plan.shard_model(model, comm, vocab_parallel=config.tensor_parallel_vocab)
     logger.info("tensor parallel rank %d/%d: %d modules sharded, %d heads and %d KV heads here",
@@ -407,45 +389,3 @@ def worker_stats(comm: Comm, num_steps: int) -> dict:
     s = comm.stats
     return {"rank": comm.rank, "comm_seconds": s.seconds, "comm_calls": s.calls, "comm_bytes": s.bytes,
             "by_op": {k: {"calls": v[0], "seconds": v[1]} for k, v in s.by_op.items()}, "steps": num_steps}
-
-
-# ---- helpers ----------------------------------------------------------------------------------------
-def _td(seconds: float):
-    import datetime
-
-    return datetime.timedelta(seconds=seconds)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def python_executable() -> str:
-    """A Python interpreter for the workers: this one's, or (inside Triton's Python-backend stub, whose
-    sys.executable is not Python) the one of this interpreter's prefix."""
-    candidates = [sys.executable, getattr(sys, "_base_executable", ""),
-                  os.path.join(sys.prefix, "bin", "python3"), os.path.join(sys.prefix, "bin", "python"),
-                  shutil.which("python3") or ""]
-    for c in candidates:
-        if c and Path(c).name.startswith("python") and os.access(c, os.X_OK):
-            return c
-    raise RuntimeError(f"no Python interpreter found for the tensor-parallel workers (tried {candidates})")
-
-
-def external_rendezvous(config: EngineConfig):
-    """(store, rank, local rank, local world size) from torchrun's environment (env://)."""
-    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
-    if missing:
-        raise ValueError(f"distributed_executor_backend='external_launcher' needs torchrun's environment "
-                         f"(missing {', '.join(missing)}): run the script with torchrun --nproc-per-node "
-                         f"{config.tensor_parallel_size}")
-    world = int(os.environ["WORLD_SIZE"])
-    if world != config.tensor_parallel_size:
-        raise ValueError(f"torchrun started {world} ranks but tensor_parallel_size is {config.tensor_parallel_size}")
-    store, rank, _ = next(dist.rendezvous("env://", timeout=_td(config.distributed_timeout)))
-    store = dist.PrefixStore(f"pagedcore-{next(_instances)}", store)
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return store, rank, local_rank, local_world

@@ -23,11 +23,12 @@ class Worker:
         import torch
 
         from pagedcore.distributed import executor as ex
+        from pagedcore.distributed import launch
         from pagedcore.distributed.comm import Comm
         from pagedcore.plugins import make_plugin_manager
 
-        self.device = ex.rank_device(config, local_rank)
-        ex.set_threads(config, self.device, local_world_size)
+        self.device = launch.rank_device(config, local_rank)
+        launch.set_threads(config, self.device, local_world_size)
         self.comm = Comm(store, rank, config.tensor_parallel_size, self.device, config.distributed_timeout, gloo_host)
         self.num_steps = 0
         self.stopped = False
@@ -67,7 +68,7 @@ class ExternalWorker(Worker):
     """A torchrun rank other than 0: `LLM.generate` serves rank 0's steps and returns []."""
 
     def __init__(self, config):
-        from pagedcore.distributed.executor import external_rendezvous
+        from pagedcore.distributed.launch import external_rendezvous
 
         store, rank, local_rank, local_world = external_rendezvous(config)
         super().__init__(config, store, rank, local_rank, local_world, gloo_host=None)
@@ -103,7 +104,7 @@ def main() -> int:
     try:
         import torch.distributed as dist
 
-        from pagedcore.distributed.executor import _td
+        from pagedcore.distributed.launch import _td
 
         config = args["config"]
         store = dist.TCPStore("127.0.0.1", args["port"], config.tensor_parallel_size, False,
