@@ -93,8 +93,19 @@ void run_item(const Prefill& a, int64_t seq, int64_t g, int64_t q0, int64_t q1, 
   w.vp.assign(D * lp, 0.f);
   w.qp.resize(D * MR);
   w.s.resize(MR * lp);
-  // K: panel j / 16 holds [D][16 keys]; V: panel d / 16 holds [lp keys][16 columns].
+  // K: panel j / 16 holds [D][16 keys]; V: panel d / 16 holds [lp keys][16 columns]. The rows of the key AHEAD
+  // places on are asked for as each key is packed: read on demand, the packing waited on them (it was ~10% of a
+  // prompt step's attention; 14 prompts of 32-256 tokens, 30 layers: 84 -> 79 ms).
+  constexpr int64_t AHEAD = 8;
   for (int64_t j = 0; j < len; ++j) {
+    if (j + AHEAD < len) {
+      const int64_t n = j + AHEAD;
+      const int64_t at = bt[n / a.block_size] * a.block_stride + (n % a.block_size * a.hkv + g) * D;
+      for (int64_t b = 0; b < D * int64_t(sizeof(C)); b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(kc + at) + b, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vc + at) + b, _MM_HINT_T0);
+      }
+    }
     const int64_t block = bt[j / a.block_size], pos = j % a.block_size;
     const C* kr = kc + block * a.block_stride + (pos * a.hkv + g) * D;
     const C* vr = vc + block * a.block_stride + (pos * a.hkv + g) * D;
