@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from pagedcore import fused_projections, lean_layers, onednn_linear, quantization, vnni_layout
+from pagedcore.greedy_head import ArgmaxTokens, GreedyHead
 from pagedcore.kernels import cpu_ext, kv_quant
 from pagedcore.kernels.cpu_attention import ExtDecodePlan, _ext_plan
 from pagedcore.quantization import Int4Linear, Int8Linear
@@ -80,6 +81,7 @@ class DecodeStack:
             self.stack.add_onednn(i, linears)
         partial = any(onednn) or any(getattr(i.module, "_pagedcore_onednn", None) is not None for i in self.installed)
         self.max_rows = rows - 1 if partial and not self.onednn_rows and rows else None
+        self.greedy_head = GreedyHead.build(ext, model)
 
     @classmethod
     def build(cls, model: nn.Module, kv_caches: list, backend, device: torch.device) -> "DecodeStack | None":
@@ -129,8 +131,9 @@ class DecodeStack:
         return all(d.get(n) is m and md.get("forward") is f for d, n, m, md, f in self._checks)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, ctx,
-                 plan: ExtDecodePlan) -> torch.Tensor | None:
-        """Logits [len(logits_indices), vocab], as the model's forward gives them; None if the step's rotary
+                 plan: ExtDecodePlan, argmax_only: bool = False) -> torch.Tensor | ArgmaxTokens | None:
+        """Logits [len(logits_indices), vocab], as the model's forward gives them, or with `argmax_only` (the
+        step's rows need nothing else) their argmax where the greedy head gives it; None if the step's rotary
         embedding is not over the whole head (the layers' own forward then runs it)."""
         hidden = self.base.embed_tokens(input_ids)
         cos, sin = self._rotary(hidden, positions)
@@ -138,7 +141,9 @@ class DecodeStack:
             return None
         out = self.stack.forward(hidden, cos, sin, ctx.metadata.common.slot_mapping, plan.rows, plan.block_table,
                                  plan.seq_lens, quantization.INT8_ACTIVATION_ROWS, self.onednn_rows)
-        return self.model.lm_head(self.base.norm(out[logits_indices]))
+        hidden = self.base.norm(out[logits_indices])
+        tokens = self.greedy_head.argmax(hidden) if argmax_only and self.greedy_head is not None else None
+        return tokens if tokens is not None else self.model.lm_head(hidden)
 
 
     def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

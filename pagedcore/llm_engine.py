@@ -289,7 +289,8 @@ class LLMEngine:
             if sched.is_empty:
                 self.structured_output.wait_for_compiles()
                 return outputs
-            rows, logits = self.runner.execute(sched)
+            argmax_only = self.sample_step.argmax_only([seq for seq, _ in sched.scheduled])
+            rows, logits = self.runner.execute(sched, argmax_only)
             sampled = self.sample_step([sched.scheduled[i][0] for i in rows], logits, self.requests, self.sampler)
             self.scheduler.update_from_output(sched, sampled)
             if self.spec is not None:

@@ -12,6 +12,7 @@ from pagedcore.attention import hf_glue
 from pagedcore.attention.backend import AttentionMetadata
 from pagedcore.config import EngineConfig
 from pagedcore.decode_stack import DecodeStack
+from pagedcore.greedy_head import ArgmaxTokens
 from pagedcore.input_batch import InputBatch
 from pagedcore.kernels import kv_quant
 from pagedcore.scheduler import SchedulerOutput
@@ -194,8 +195,9 @@ class ModelRunner:
                                          self.device)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[list[int], torch.Tensor]:
-        """Run one step; return the scheduled rows that sample and their logits [rows, vocab]."""
+    def execute(self, sched: SchedulerOutput, argmax_only: bool = False) -> tuple[list[int], torch.Tensor | ArgmaxTokens]:
+        """Run one step; return the scheduled rows that sample and their logits [rows, vocab], or (`argmax_only`:
+        the rows need nothing else) their tokens where the decode stack's greedy head gives them."""
         # Order matters: swap-outs read blocks that this step may hand to others.
         if sched.blocks_to_swap_out:
             self.swap(self.kv_caches, self.cpu_kv_caches, sched.blocks_to_swap_out)
@@ -212,7 +214,8 @@ class ModelRunner:
             if self.captured is not None:
                 return inp.sample_rows, self.captured(inp.input_ids, inp.positions, inp.logits_indices)
             plan = self.decode_stack.plan(ctx, len(inp.input_ids)) if self.decode_stack is not None else None
-            logits = self.decode_stack(inp.input_ids, inp.positions, inp.logits_indices, ctx, plan) if plan else None
+            logits = self.decode_stack(inp.input_ids, inp.positions, inp.logits_indices, ctx, plan,
+                                       argmax_only) if plan else None
             if logits is not None:
                 return inp.sample_rows, logits
             out = self.model(input_ids=inp.input_ids[None], position_ids=inp.positions[None], use_cache=False,

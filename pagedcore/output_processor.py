@@ -94,4 +94,5 @@ class OutputProcessor:
         else:
             text = seq.detokenizer.get_next_output_text(seq.is_finished, delta=False)
         reason = seq.status.value if seq.is_finished else None
-        return CompletionOutput(index, text, out_ids, seq.cumulative_logprob, logprobs, reason, seq.stop_reason)
+        cumulative = None if seq.params.argmax_only else seq.cumulative_logprob
+        return CompletionOutput(index, text, out_ids, cumulative, logprobs, reason, seq.stop_reason)

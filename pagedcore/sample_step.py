@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 
 from pagedcore.beam_search import BeamGroup
+from pagedcore.greedy_head import ArgmaxTokens
 from pagedcore.output_processor import RequestState
 from pagedcore.sampler import Sampler, SamplingBatch
 from pagedcore.sampling_params import SamplingParams
@@ -32,12 +33,20 @@ class SampleStep:
     spec: SpecDecoder | None  # None: no speculation
     seq_counter: Iterator[int]  # the engine's: beams forked here get unique seq ids
 
-    def __call__(self, seqs: list[Sequence], logits: torch.Tensor, requests: dict[str, RequestState],
+    def argmax_only(self, seqs: list[Sequence]) -> bool:
+        """Whether the step's rows need only their logits' argmax: each request's own settings say so
+        (`SamplingParams.argmax_only`), and nothing engine-wide edits or reads logits."""
+        return not self.logits_processors and self.spec is None and all(seq.params.argmax_only for seq in seqs)
+
+    def __call__(self, seqs: list[Sequence], logits: torch.Tensor | ArgmaxTokens, requests: dict[str, RequestState],
                  sampler: Sampler) -> SampledOutput:
         """The next token of every sequence that reached its end: `sampler`'s for most, the request's
         beam group's for beam search. The sampler is passed each step, not held: it is the engine's
         attribute, which `bench step` wraps with a timer."""
         out = SampledOutput()
+        if isinstance(logits, ArgmaxTokens):  # the greedy head's tokens: no logprob to report (argmax_only)
+            out.samples += [SequenceSample(seq, [token], [None]) for seq, token in zip(seqs, logits.token_ids.tolist())]
+            return out
         if self.spec is not None and any(seq.num_draft_tokens for seq in seqs):
             samples, seqs, logits = self.spec.verify_drafted(seqs, logits, self.eos_token_ids, self.make_logprobs)
             out.samples += samples

@@ -80,6 +80,16 @@ class SamplingParams:
             raise InvalidRequestError(f"invalid sampling parameters: {e}", "sampling_params") from e
 
     @property
+    def argmax_only(self) -> bool:
+        """Only the argmax of the logits is needed: one greedy sample, no logprobs, nothing that edits the logits.
+        Such a request reports no cumulative logprob (as vLLM v1): its logits may never all be computed
+        (pagedcore/greedy_head.py); logprobs=0 asks for it."""
+        return (self.greedy and self.n == 1 and (self.best_of or 1) == 1 and self.logprobs is None
+                and not self.use_beam_search and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0
+                and self.frequency_penalty == 0.0 and not self.logit_bias and self.min_tokens == 0
+                and self.structured_outputs is None)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < _EPS
 

@@ -103,9 +103,10 @@ class Sequence:
             del self.token_ids[len(self.token_ids) - num:]
             self.num_draft_tokens -= num
 
-    def append_token(self, token_id: int, logprob: float, top_logprobs: dict | None = None) -> None:
+    def append_token(self, token_id: int, logprob: float | None, top_logprobs: dict | None = None) -> None:
         self.token_ids.append(token_id)
-        self.cumulative_logprob += logprob
+        if logprob is not None:  # None: the greedy head's token (argmax_only requests report no logprob)
+            self.cumulative_logprob += logprob
         if top_logprobs is not None:
             self.logprobs.append(top_logprobs)
         if self.first_token_time is None:

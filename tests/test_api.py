@@ -65,9 +65,13 @@ def test_string_prompt_and_its_token_ids_generate_the_same(tiny):
 
 
 def test_no_logprobs_unless_asked(tiny):
+    """A greedy request without logprobs reports no cumulative logprob either (as vLLM v1: its logits may never all
+    be computed, pagedcore/greedy_head.py); logprobs=0 asks for it without top-N entries."""
     c = gen1(tiny, "Hi", greedy(3))
-    assert c.logprobs is None
+    assert c.logprobs is None and c.cumulative_logprob is None
+    c = gen1(tiny, "Hi", SamplingParams(temperature=0, max_tokens=3, logprobs=0))
     assert c.cumulative_logprob is not None and c.cumulative_logprob < 0
+    assert len(c.logprobs) == 3 and all(len(d) == 1 for d in c.logprobs)
     assert_pool_whole(tiny.engine)
 
 

@@ -22,6 +22,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_cache_quant", &write_kv_cache_quant,
         "key/value [T, Hkv, D] quantized (int8 / fp8 e4m3, one fp16 scale per token and head) into the caches");
   m.def("argmax_logsumexp", &argmax_logsumexp, "per row: (argmax, logsumexp)");
+  m.def("greedy_head_supported", &greedy_head_supported, "whether greedy_head runs here (AVX-512 BW and VNNI)");
+  m.def("greedy_head_pack", &greedy_head_pack, "fp32 W [V, K] -> (int8 codes [ceil(V/16), ceil(K/2), 32], stats [4, V])");
+  m.def("greedy_head", &greedy_head,
+        "per row of x: (argmax of x W^T as pack_linear_weight's fp32 panels of W [V, K] give it, or -1 where x or "
+        "a candidate logit is not finite; how many logits were computed exactly, from W's rows)",
+        py::arg("x"), py::arg("codes"), py::arg("stats"), py::arg("weight"));
   m.def("pack_linear_weight", &pack_linear_weight, "W [N, K] -> panels [ceil(N/16), K, 16], same dtype");
   m.def("packed_linear_silu_mul", &packed_linear_silu_mul,
         "silu(x @ W_gate^T) * (x @ W_up^T) over a fused [gate; up] packed weight, never writing the product",

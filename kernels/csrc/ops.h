@@ -64,3 +64,9 @@ void bind_decode_stack(py::module& m);
 
 // huge_pages.cpp: a uint8 [nbytes] buffer in 2 MiB transparent huge pages where the OS gives them.
 torch::Tensor huge_page_buffer(int64_t nbytes);
+
+// cpu_greedy_head.cpp: the argmax of x W^T as the fp32 panels give it, from int8 codes of W and a few exact columns
+bool greedy_head_supported();
+std::vector<torch::Tensor> greedy_head_pack(torch::Tensor weight);
+std::tuple<torch::Tensor, torch::Tensor> greedy_head(torch::Tensor x, torch::Tensor codes, torch::Tensor stats,
+                                                     torch::Tensor weight);

@@ -78,6 +78,9 @@ def instrument(engine, timers: StepTimers, per_module: bool = True):
         # The stack times its own phases; the LM head after it is a module the stack does not stand in for.
         head = engine.model.get_output_embeddings()
         set_attr(head, "forward", timers.wrap("gemm", head.forward))
+        if stack.greedy_head is not None:  # the LM head of argmax-only steps: a GEMM too (and the timed head is its)
+            set_attr(stack.greedy_head, "forward", head.forward)
+            set_attr(stack.greedy_head, "argmax", timers.wrap("gemm", stack.greedy_head.argmax))
         stack.stack.take_profile()
         stack.stack.set_profiling(True)
         undo.append(lambda: stack.stack.set_profiling(False))

@@ -1,0 +1,123 @@
+"""The greedy head (pagedcore/greedy_head.py, kernels/csrc/cpu_greedy_head.cpp): the argmax of the LM head from int8
+codes and a few exact logits must be the full fp32 logits' argmax (pack_linear_weight's panels, argmax_logsumexp's
+lowest index on ties), bit for bit, whatever the input; and the engine's greedy tokens must not change with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedcore import LLMEngine, SamplingParams
+from pagedcore.kernels import cpu_ext
+
+ext = cpu_ext.load()
+pytestmark = pytest.mark.skipif(ext is None or not ext.greedy_head_supported(),
+                                reason="the greedy head needs the C++ ops on an AVX-512 BW + VNNI CPU")
+
+
+def full_argmax(x: torch.Tensor, panels: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The reference: every logit from the fp32 panels, then argmax_logsumexp's argmax (first index of the max)."""
+    return ext.argmax_logsumexp(ext.packed_linear(x, panels, vocab))[0]
+
+
+def greedy(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    panels = ext.pack_linear_weight(weight)
+    codes, stats = ext.greedy_head_pack(weight)
+    tokens, exact = ext.greedy_head(x, codes, stats, weight)
+    return tokens, exact, full_argmax(x, panels, weight.shape[0])
+
+
+@pytest.mark.parametrize("vocab,k,rows", [(1000, 64, 1), (1000, 64, 13), (4099, 576, 7), (333, 63, 6), (16, 2, 3)])
+def test_equals_the_full_logits_argmax(vocab, k, rows):
+    g = torch.Generator().manual_seed(vocab + k + rows)
+    weight = torch.randn(vocab, k, generator=g) * 0.1
+    x = torch.randn(rows, k, generator=g) * 3
+    tokens, exact, want = greedy(x, weight)
+    assert torch.equal(tokens, want)
+    assert bool((exact >= 1).all()) and bool((exact <= vocab).all())
+
+
+def test_few_logits_are_computed_exactly():
+    """The point of it: on a peaked row (one token well ahead) the bound rules out nearly every token."""
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(8192, 256, generator=g) * 0.05
+    x = torch.randn(8, 256, generator=g)
+    x += 4 * weight[torch.arange(8) * 1000] / weight[torch.arange(8) * 1000].norm(dim=1, keepdim=True) * 16
+    tokens, exact, want = greedy(x, weight)
+    assert torch.equal(tokens, want) and torch.equal(tokens, torch.arange(8) * 1000)
+    assert int(exact.max()) < 64
+
+
+def test_near_ties_and_exact_ties():
+    """Columns whose logits differ in their last bits, or not at all: the exact pass decides, lowest index first."""
+    g = torch.Generator().manual_seed(2)
+    k, vocab = 576, 2048
+    weight = torch.randn(vocab, k, generator=g) * 0.05
+    x = torch.randn(16, k, generator=g)
+    best = full_argmax(x, ext.pack_linear_weight(weight), vocab)
+    for r, j in enumerate(best.tolist()):  # near-copies of each row's winner elsewhere, one exact copy before it
+        for c, eps in enumerate((0.0, 1e-7, -1e-7, 3e-7)):
+            other = (j + 97 * (r + 1) * (c + 1)) % vocab
+            weight[other] = weight[j] * (1 + eps)
+    tokens, _, want = greedy(x, weight)
+    assert torch.equal(tokens, want)
+
+
+def test_outlier_activations():
+    """A few huge dims (LLMs' massive activations) coarsen the int16 codes of the rest: still exact."""
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(3000, 576, generator=g) * 0.05
+    x = torch.randn(5, 576, generator=g)
+    x[:, [7, 300]] = torch.tensor([400.0, -900.0])
+    tokens, _, want = greedy(x, weight)
+    assert torch.equal(tokens, want)
+
+
+def test_a_row_that_is_not_finite_is_left_to_the_caller():
+    g = torch.Generator().manual_seed(4)
+    weight = torch.randn(500, 64, generator=g)
+    x = torch.randn(3, 64, generator=g)
+    x[1, 5] = float("nan")
+    tokens, _, want = greedy(x, weight)
+    assert tokens[1] == -1 and tokens[0] == want[0] and tokens[2] == want[2]
+
+
+def test_pack_refuses_a_weight_that_is_not_finite():
+    weight = torch.ones(32, 8)
+    weight[3, 3] = float("inf")
+    with pytest.raises(RuntimeError, match="not finite"):
+        ext.greedy_head_pack(weight)
+    weight[3, 3] = float("nan")
+    with pytest.raises(RuntimeError, match="not finite"):
+        ext.greedy_head_pack(weight)
+
+
+PROMPTS = [list(range(100 + 5 * i, 130 + 9 * i)) for i in range(6)]
+
+
+def _tokens(engine: LLMEngine, params: SamplingParams) -> list[tuple[list[int], float | None]]:
+    ids = [engine.add_request(None, p, params) for p in PROMPTS]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].cumulative_logprob)
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks, "KV blocks leaked"
+    return [done[i] for i in ids]
+
+
+def test_engine_tokens_with_and_without_the_greedy_head(smollm2_dir):
+    """The bundled model, greedy, batch 6 over 24 steps: the same tokens with the head as with full logits; the
+    head answered the decode steps; such requests report no cumulative logprob, logprobs=0 ones do."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    on = LLMEngine(model=str(smollm2_dir), max_num_seqs=8, num_kv_blocks=128, dtype="float32")
+    head = on.runner.decode_stack.greedy_head if on.runner.decode_stack is not None else None
+    if head is None:
+        pytest.skip("no decode stack / greedy head for this model here")
+    got = _tokens(on, params)
+    assert head.rows >= 6 * 20 and head.exact < head.rows * 200
+    off = LLMEngine(model=str(smollm2_dir), max_num_seqs=8, num_kv_blocks=128, dtype="float32")
+    off.runner.decode_stack.greedy_head = None
+    want = _tokens(off, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0))
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert all(c is None for _, c in got) and all(c is not None and c < 0 for _, c in want)
