@@ -208,20 +208,25 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_head(torch::Tensor x, torch::Ten
     }
     xerr[r] = float(e * (1 + 1e-6));
   }
-  // Pass 1, panels split over the threads (all rows per panel group): hi_j = a_j + E_j into a [B, Vp] buffer, and
-  // per thread and row the running max of a_j - E_j (lanes past V: -inf).
-  const int64_t Vp = P * NR, ps = K2 * 2 * NR;
+  // Pass 1, panels split over the threads (all rows per panel group): per thread and row, the running max of
+  // a_j - E_j, and (j, a_j + E_j) of the tokens whose a_j + E_j reached it when they were scored: the max only
+  // grows, so the others can never be candidates (no [B, V] buffer written and read back).
+  const int64_t ps = K2 * 2 * NR;
   const float gamma = float(1.01 * K * UNIT / (1 - K * UNIT));
-  std::vector<float> hi(B * Vp);
   const int nth = std::max<int>(1, std::min<int>(at::get_num_threads(), int((P + GP - 1) / GP)));
-  std::vector<__m512> lower(nth * B, _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
+  const float ninf_s = -std::numeric_limits<float>::infinity();
+  std::vector<__m512> lower(nth * B, _mm512_set1_ps(ninf_s));
+  std::vector<std::vector<int32_t>> kept_j(nth * B);
+  std::vector<std::vector<float>> kept_hi(nth * B);
 #pragma omp parallel num_threads(nth)
   {
     alignas(64) __m512i acc[GR * GP];
     const int64_t groups = (P + GP - 1) / GP, tid = omp_get_thread_num(), n = omp_get_num_threads();
     const int64_t g0 = groups * tid / n, g1 = groups * (tid + 1) / n;
     __m512* low = lower.data() + tid * B;
-    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    std::vector<float> thr(B, ninf_s);  // each row's running max of a_j - E_j, refreshed once a panel group
+    const __m512 ninf = _mm512_set1_ps(ninf_s);
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t p = g * GP, np = std::min(GP, P - p);
       for (int64_t r0 = 0; r0 < B; r0 += GR) {
@@ -234,6 +239,7 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_head(torch::Tensor x, torch::Ten
           const __m512 werr = _mm512_maskz_loadu_ps(in, st + WERR * V + j);
           const __m512 l1 = _mm512_maskz_loadu_ps(in, st + L1 * V + j);
           const __m512 w1 = _mm512_maskz_loadu_ps(in, st + W1 * V + j);
+          const __m512i cols = _mm512_add_epi32(lanes, _mm512_set1_epi32(int32_t(j)));
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t row = r0 + r;
             const __m512 a = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[r * GP + q]), s), _mm512_set1_ps(t[row]));
@@ -242,30 +248,41 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_head(torch::Tensor x, torch::Ten
             e = _mm512_fmadd_ps(w1, _mm512_set1_ps(gamma * xinf[row]), e);
             e = _mm512_fmadd_ps(_mm512_abs_ps(a), _mm512_set1_ps(1e-6f), e);
             e = _mm512_fmadd_ps(e, _mm512_set1_ps(1.01f), _mm512_set1_ps(1e-6f));
-            _mm512_storeu_ps(hi.data() + row * Vp + j, _mm512_mask_blend_ps(in, ninf, _mm512_add_ps(a, e)));
+            const __m512 hi = _mm512_add_ps(a, e);
             low[row] = _mm512_max_ps(low[row], _mm512_mask_blend_ps(in, ninf, _mm512_sub_ps(a, e)));
+            const __mmask16 m = _mm512_mask_cmp_ps_mask(in, hi, _mm512_set1_ps(thr[row]), _CMP_GE_OQ);
+            if (m) {
+              auto& kj = kept_j[tid * B + row];
+              auto& kh = kept_hi[tid * B + row];
+              const size_t c = kj.size();
+              kj.resize(c + __builtin_popcount(m));
+              kh.resize(kj.size());
+              _mm512_mask_compressstoreu_epi32(kj.data() + c, m, cols);
+              _mm512_mask_compressstoreu_ps(kh.data() + c, m, hi);
+            }
           }
         }
+        for (int64_t r = 0; r < rows; ++r) thr[r0 + r] = _mm512_reduce_max_ps(low[r0 + r]);
       }
     }
   }
-  // Pass 2, per row: the candidates (hi_j >= the largest lower bound), their exact logits, the argmax.
+  // Pass 2, per row: the candidates (kept tokens with a_j + E_j >= the largest lower bound, in index order: the
+  // threads' panel ranges ascend), their exact logits, the argmax.
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<int32_t> cand(Vp);
+    std::vector<int32_t> cand;
     for (int64_t r = b0; r < b1; ++r) {
       if (!ok[r]) continue;
       __m512 lv = lower[r];
       for (int i = 1; i < nth; ++i) lv = _mm512_max_ps(lv, lower[i * B + r]);
-      const __m512 L = _mm512_set1_ps(_mm512_reduce_max_ps(lv));
-      const float* h = hi.data() + r * Vp;
-      int64_t count = 0;
-      __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-      const __m512i step = _mm512_set1_epi32(NR);
-      for (int64_t j = 0; j < Vp; j += NR, idx = _mm512_add_epi32(idx, step)) {
-        const __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(h + j), L, _CMP_GE_OQ);
-        _mm512_mask_compressstoreu_epi32(cand.data() + count, m, idx);
-        count += __builtin_popcount(m);
+      const float L = _mm512_reduce_max_ps(lv);
+      cand.clear();
+      for (int i = 0; i < nth; ++i) {
+        const auto& kj = kept_j[i * B + r];
+        const auto& kh = kept_hi[i * B + r];
+        for (size_t c = 0; c < kj.size(); ++c)
+          if (kh[c] >= L) cand.push_back(kj[c]);
       }
+      const int64_t count = int64_t(cand.size());
       pcnt[r] = int32_t(count);
       float best = -std::numeric_limits<float>::infinity();
       int64_t arg = -1;
