@@ -20,7 +20,9 @@ from pagedcore.llm_engine import LLMEngine
 
 ENGINE = dict(num_kv_blocks=64, block_size=8, num_threads=1)
 TIMEOUT = 60
-LONG = dict(temperature=0.0, max_tokens=None, ignore_eos=True)  # to the 512-token context: only an end stops it
+# To the 512-token context: only an end stops it. logprobs=0: every step computes the whole logits row (the greedy
+# head's argmax-only steps run the tiny model's ~500 tokens inside these tests' deadlines).
+LONG = dict(temperature=0.0, max_tokens=None, ignore_eos=True, logprobs=0)
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:

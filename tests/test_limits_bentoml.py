@@ -29,6 +29,9 @@ SETTINGS = dict(dtype="float32", num_kv_blocks=64, block_size=8, max_num_seqs=8,
                 max_concurrent_requests=2, payload_limit=100_000, shutdown_grace_period=30)
 STARTUP_TIMEOUT = 120
 USER = [{"role": "user", "content": "Tell me a story"}]
+# Long requests ask for logprobs: every step then computes the whole logits row (argmax-only greedy steps run the
+# tiny model's ~500 tokens inside the deadlines and read timeouts below).
+SLOW = {"logprobs": True}
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +173,8 @@ def test_the_openai_client_sees_overload_as_a_rate_limit_error(served, client):
 def test_a_request_past_its_timeout_is_a_408_or_an_error_event_and_is_aborted(served, client):
     base, model, _ = served
     before = samples(base)
-    body = {"model": model, "messages": USER, "temperature": 0, "max_tokens": 2000, "ignore_eos": True, "timeout": 0.3}
+    body = {"model": model, "messages": USER, "temperature": 0, "max_tokens": 2000, "ignore_eos": True, "timeout": 0.3,
+            **SLOW}
     t0 = time.monotonic()
     r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30)
     assert 0.3 <= time.monotonic() - t0 < 10
@@ -189,7 +193,7 @@ def test_a_non_streaming_client_that_hangs_up_is_aborted_at_once(served, client)
     base, model, _ = served
     time.sleep(1.0)  # the metrics of earlier tests are pushed (every 0.5 s) before the baseline
     before = samples(base)
-    body = {"model": model, "messages": USER, "temperature": 0, "max_tokens": 470, "ignore_eos": True}
+    body = {"model": model, "messages": USER, "temperature": 0, "max_tokens": 470, "ignore_eos": True, **SLOW}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{base}/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=0.3))
     m = wait_metrics(base, lambda m: aborted(m, "client") == aborted(before, "client") + 1
@@ -202,7 +206,7 @@ def test_a_non_streaming_client_that_hangs_up_is_aborted_at_once(served, client)
 # ---- graceful shutdown (last: it stops the module's server) ------------------------------------------------------
 def test_sigterm_lets_the_request_in_flight_finish_and_the_server_exits_0(served):
     base, model, proc = served
-    body = {"model": model, "messages": USER, "temperature": 0, "max_tokens": 450, "ignore_eos": True, "stream": True,
+    body = {"model": model, "messages": USER, "temperature": 0, "max_tokens": 450, "ignore_eos": True, "stream": True, **SLOW,
             "stream_options": {"include_usage": True}}
     chunks = []
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as s:
