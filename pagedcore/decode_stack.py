@@ -12,6 +12,12 @@ that replaces a projection or a layer's forward afterwards (a LoRA layer, a plug
 steps it does not run (prefill rows, a quantized KV cache, another attention backend): those go layer by
 layer. `EngineConfig.decode_stack=False` turns it off altogether.
 
+fp32 weights that are exactly 4-bit per group of 32 (each value fma(q, d, m), q in 0..15, d and m fp16: what
+a GGUF Q4_1 checkpoint such as the bundled model de-quantizes to) are found when the stack is built
+(kernels/csrc/cpu_exact_int4.cpp) and kept as int4 panels beside the fp32 ones: decode rows widen each panel group
+back to the same fp32 values in cache and run the same tiles, reading 5 bits a weight instead of 32, with results
+bit for bit those of the fp32 panels (tests/test_exact_int4.py).
+
 On CPUs with AMX tiles bf16 weights are in VNNI pairs (vnni_layout.py) and the stack runs them through AMX
 tiles in its region, as it runs the panels. With the pairs off there, from onednn_linear.ROWS rows it runs each
 linear through oneDNN's pre-packed matmul between parallel regions (oneDNN parallelises by itself), the same
@@ -82,6 +88,9 @@ class DecodeStack:
         partial = any(onednn) or any(getattr(i.module, "_pagedcore_onednn", None) is not None for i in self.installed)
         self.max_rows = rows - 1 if partial and not self.onednn_rows and rows else None
         self.greedy_head = GreedyHead.build(ext, model)
+        if self.stack.exact_int4_linears:
+            logger.info("decode stack: %d of %d linears are exactly 4-bit per group (a GGUF Q4_1 checkpoint's "
+                        "weights): decode rows read them as int4", self.stack.exact_int4_linears, 4 * len(self.base.layers))
 
     @classmethod
     def build(cls, model: nn.Module, kv_caches: list, backend, device: torch.device) -> "DecodeStack | None":

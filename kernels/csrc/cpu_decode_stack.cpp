@@ -31,6 +31,9 @@
 namespace {
 
 constexpr int64_t TILE = 6;  // rows per GEMM input tile (cpu_gemm.cpp's MR): one thread prepares a tile
+constexpr int64_t kExactGroup = 32;  // inputs per scale/min of an exact int4 form (Q4_1's blocks)
+constexpr int64_t kExactRows = 12;  // up to this many rows exact int4 forms are widened (set_exact_int4_rows): past
+                                    // ~16 widening every weight costs more than reading fp32 saves (2 threads)
 
 struct StackLinear {
   PackedWeight w;
@@ -101,6 +104,13 @@ StackLinear make_linear(torch::Tensor packed, c10::optional<torch::Tensor> scale
   TORCH_CHECK(packed.size(0) * 16 >= out_features, "out_features larger than the packed weight");
   l.w = {packed.scalar_type(), packed.data_ptr(), sm, pb, out_features, K, group_size, int8_rows, half_scales,
          zero_point, vnni};
+  if (packed.scalar_type() == at::kFloat) {  // fp32 panels on a 4-bit grid (GGUF Q4_1's): decode widens its int4 form
+    auto [q, qsm] = exact_int4_panels(packed, kExactGroup);
+    if (q.defined()) {
+      l.keep.push_back(q), l.keep.push_back(qsm);
+      l.w.exact_q = q.data_ptr<uint8_t>(), l.w.exact_sm = qsm.data_ptr<c10::Half>(), l.w.exact_group = kExactGroup;
+    }
+  }
   return l;
 }
 
@@ -195,6 +205,7 @@ class DecodeStack {
     weights.reserve(layers_.size());
     auto resolve = [&](PackedWeight w) {
       if (w.int8_rows < 0) w.int8_rows = int8_rows;
+      w.exact_rows = exact_rows_;
       return w;
     };
     for (const auto& l : layers_)
@@ -221,6 +232,15 @@ class DecodeStack {
   }
 
   int64_t num_layers() const { return int64_t(layers_.size()); }
+
+  // Linears kept with an exact int4 form too (cpu_exact_int4.cpp), and up to how many rows it runs (0: never).
+  int64_t exact_int4_linears() const {
+    int64_t n = 0;
+    for (const auto& l : layers_)
+      for (const StackLinear* s : {&l.qkv, &l.o, &l.gate_up, &l.down}) n += s->w.exact_q != nullptr;
+    return n;
+  }
+  void set_exact_int4_rows(int64_t rows) { exact_rows_ = rows; }
 
   // Wall time of the panel steps' phases, for `bench step` (the stack is one call, so no outside timer can split
   // it): thread 0 stamps each phase's end after its barrier, so waits count in the phase that caused them.
@@ -451,6 +471,7 @@ class DecodeStack {
   int64_t H_, hq_, hkv_, d_, I_;
   std::vector<StackLayer> layers_;
   bool profiling_ = false;
+  int64_t exact_rows_ = kExactRows;
   std::array<double, 3> profile_{0.0, 0.0, 0.0};
   int64_t profile_steps_ = 0;
 };
@@ -467,5 +488,7 @@ void bind_decode_stack(py::module& m) {
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
       .def("set_profiling", &DecodeStack::set_profiling)
       .def("take_profile", &DecodeStack::take_profile)
+      .def("set_exact_int4_rows", &DecodeStack::set_exact_int4_rows)
+      .def_property_readonly("exact_int4_linears", &DecodeStack::exact_int4_linears)
       .def_property_readonly("num_layers", &DecodeStack::num_layers);
 }

@@ -231,11 +231,22 @@ inline bool zmm_tiles_run(const PackedWeight& w, int64_t M) {
 using zmm::PZ;
 using zmm::tile_zmm;
 // dense_panels over groups of PZ panels in zmm tiles: fp32 panels as they are, bf16 ones widened (PZ at a time).
+void widen_exact_int4(const PackedWeight& w, int64_t p, float* buf);
+inline bool runs_exact_int4(const PackedWeight& w, int64_t M) { return w.exact_q != nullptr && M <= w.exact_rows; }
+// Where panel p's bytes start (exact: its int4 panel, K * 8 bytes) and how many bytes a panel has.
+inline const char* panel_bytes(const PackedWeight& w, int64_t p, bool exact, int64_t elem) {
+  return exact ? reinterpret_cast<const char*>(w.exact_q + p * w.K * 8)
+               : static_cast<const char*>(w.w) + p * w.K * NR * elem;
+}
+
 template <typename X, typename W>
 void dense_panels_zmm(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1,
                       std::vector<float>& wbuf) {
-  constexpr bool widen = !std::is_same_v<W, float>;
   const int64_t M = in.M, N = w.N, K = w.K;
+  // fp32 panels with an exact int4 form are widened from it at decode rows (cpu_exact_int4.cpp): same values
+  const bool exact = std::is_same_v<W, float> && runs_exact_int4(w, M);
+  const bool widen = !std::is_same_v<W, float> || exact;
+  const int64_t pb = exact ? K * 8 : K * NR * int64_t(sizeof(W));  // bytes a panel
   const W* packed = static_cast<const W*>(w.w);
   if (widen && int64_t(wbuf.size()) < PZ * K * NR) wbuf.resize(PZ * K * NR);
   const float* a = in.direct ? in.direct : in.xp.data();  // row i at a + i * K either way
@@ -245,14 +256,19 @@ void dense_panels_zmm(const PackedWeight& w, const GemmInput& in, X* y, int64_t 
     for (int64_t p = p0; p < p1; p += PZ) {
       const int64_t np = std::min(PZ, p1 - p);
       const float* b = reinterpret_cast<const float*>(packed + p * K * NR);
-      if constexpr (widen) {
-        for (int64_t q = 0; q < np; ++q) widen_panel(packed + (p + q) * K * NR, K, wbuf.data() + q * K * NR);
+      if (widen) {
+        for (int64_t q = 0; q < np; ++q) {
+          if constexpr (std::is_same_v<W, float>)
+            widen_exact_int4(w, p + q, wbuf.data() + q * K * NR);
+          else
+            widen_panel(packed + (p + q) * K * NR, K, wbuf.data() + q * K * NR);
+        }
         b = wbuf.data();
       }
       // The next group's panels (contiguous after this one's) are asked for while this one computes, spread over
       // its row tiles: from memory they would stall the first tile at a memory latency per page.
-      const char* next = reinterpret_cast<const char*>(packed + (p + np) * K * NR);
-      const int64_t next_lines = std::min(PZ, p1 - p - np) * K * NR * int64_t(sizeof(W)) / 64;
+      const char* next = panel_bytes(w, p + np, exact, sizeof(W));
+      const int64_t next_lines = std::min(PZ, p1 - p - np) * pb / 64;
       const int64_t tiles = (m1 - m0 + MR - 1) / MR;
       const zmm::PrefetchSpread pf(next_lines, tiles * K);
       for (int64_t i = m0, t = 0; i < m1; i += MR, ++t) {
@@ -300,31 +316,39 @@ inline void store_silu_mul(const float* g, const float* u, int64_t rows, const f
 template <typename X, typename W>
 void silu_mul_panels_zmm(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1,
                          std::vector<float>& wbuf) {
-  constexpr bool widen = !std::is_same_v<W, float>;
   const int64_t M = in.M, I = w.N / 2, K = w.K, half = I / NR, ps = K * NR;
+  const bool exact = std::is_same_v<W, float> && runs_exact_int4(w, M);  // as in dense_panels_zmm
+  const bool widen = !std::is_same_v<W, float> || exact;
+  const int64_t pb = exact ? K * 8 : ps * int64_t(sizeof(W));
   const W* packed = static_cast<const W*>(w.w);
   if (widen && int64_t(wbuf.size()) < PZ * ps) wbuf.resize(PZ * ps);
   const float* a = in.direct ? in.direct : in.xp.data();
   float c[PZ * MR * NR];
+  auto widen_one = [&](int64_t panel, float* dst) {
+    if constexpr (std::is_same_v<W, float>)
+      widen_exact_int4(w, panel, dst);
+    else
+      widen_panel(packed + panel * ps, K, dst);
+  };
   for (int64_t m0 = 0; m0 < M; m0 += MC) {
     const int64_t m1 = std::min(M, m0 + MC);
     for (int64_t p = p0; p < p1; p += 2) {
       const int64_t pairs = std::min<int64_t>(2, p1 - p);
       const float* b = reinterpret_cast<const float*>(packed + p * ps);
       int64_t hs = half * ps;
-      if constexpr (widen) {
+      if (widen) {
         for (int64_t q = 0; q < pairs; ++q) {
-          widen_panel(packed + (p + q) * ps, K, wbuf.data() + q * ps);
-          widen_panel(packed + (half + p + q) * ps, K, wbuf.data() + (pairs + q) * ps);
+          widen_one(p + q, wbuf.data() + q * ps);
+          widen_one(half + p + q, wbuf.data() + (pairs + q) * ps);
         }
         b = wbuf.data();
         hs = pairs * ps;
       }
       // The next pairs' gate panels, then their up panels, asked for over this one's row tiles (dense_panels_zmm).
       const int64_t next_pairs = std::min<int64_t>(2, p1 - p - pairs);
-      const int64_t side = next_pairs * ps * int64_t(sizeof(W)) / 64, next_lines = 2 * side;
-      const char* gate_next = reinterpret_cast<const char*>(packed + (p + pairs) * ps);
-      const char* up_next = reinterpret_cast<const char*>(packed + (half + p + pairs) * ps);
+      const int64_t side = next_pairs * pb / 64, next_lines = 2 * side;
+      const char* gate_next = panel_bytes(w, p + pairs, exact, sizeof(W));
+      const char* up_next = panel_bytes(w, half + p + pairs, exact, sizeof(W));
       const int64_t tiles = (m1 - m0 + MR - 1) / MR;
       const zmm::PrefetchSpread spread(next_lines, tiles * K);
       for (int64_t i = m0, t = 0; i < m1; i += MR, ++t) {
@@ -489,6 +513,38 @@ void widen_int4(const uint8_t* q, const sm_t<S>* sm, int64_t K, int64_t G, float
     _mm256_storeu_ps(buf + k * NR, w0);
     _mm256_storeu_ps(buf + k * NR + 8, w1);
   });
+}
+
+// An exact fp32 weight's panel p from its int4 form (cpu_exact_int4.cpp): fma(q, d, m) as the check built it. All
+// 16 columns of an input at once (the quad's 8 lanes twice, shifted by 8 t for columns 0-7 and 8 t + 4 for 8-15):
+// 4 instructions per 16 weights, half of widen_int4's 8-wide loop (groups of 4k inputs: no group starts in a quad).
+void widen_exact_int4(const PackedWeight& w, int64_t p, float* buf) {
+  const int64_t K = w.K, G = w.exact_group;
+  const uint8_t* q = w.exact_q + p * K * 8;
+  const c10::Half* sm = w.exact_sm + p * (K / G) * 2 * NR;
+#ifdef PC_AVX512
+  const __m512i nib = _mm512_set1_epi32(0x0F);
+  const __m512i s0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
+  const __m512i s1 = _mm512_add_epi32(s0, _mm512_set1_epi32(8)), s2 = _mm512_add_epi32(s0, _mm512_set1_epi32(16)),
+                s3 = _mm512_add_epi32(s0, _mm512_set1_epi32(24));
+  for (int64_t g = 0; g < K / G; ++g) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + g * 2 * NR)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + g * 2 * NR + NR)));
+    for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
+      _mm_prefetch(reinterpret_cast<const char*>(q + k * 8 + PF4), _MM_HINT_T0);
+      const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k * 8)));
+      auto one = [&](__m512i shift) {
+        return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(v, shift), nib)), d, m);
+      };
+      _mm512_storeu_ps(buf + k * NR, one(s0));
+      _mm512_storeu_ps(buf + (k + 1) * NR, one(s1));
+      _mm512_storeu_ps(buf + (k + 2) * NR, one(s2));
+      _mm512_storeu_ps(buf + (k + 3) * NR, one(s3));
+    }
+  }
+#else
+  widen_int4<c10::Half>(q, sm, K, G, buf);
+#endif
 }
 
 // R rows of int8 activations (xq rows at stride K, block scales d at stride K / 32, group sums xs at

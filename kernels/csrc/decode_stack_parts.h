@@ -51,6 +51,11 @@ struct PackedWeight {
   bool half_scales = false;  // scale_min holds fp16
   bool zero_point = false;   // fp16 (scale, zero point z) pairs: min = -z * scale
   bool vnni = false;         // kBFloat16 in the VNNI pair layout (cpu_gemm_vnni.cpp), not panels
+  // kFloat panels that are exactly 4-bit per group (cpu_exact_int4.cpp): their int4 panels and fp16 scale/min,
+  // which the AVX-512 tiles widen back to the same fp32 values up to exact_rows rows (nullptr: none)
+  const uint8_t* exact_q = nullptr;
+  const c10::Half* exact_sm = nullptr;
+  int64_t exact_group = 0, exact_rows = 0;
   int64_t panels() const { return (N + 15) / 16; }
 };
 

@@ -65,6 +65,10 @@ void bind_decode_stack(py::module& m);
 // huge_pages.cpp: a uint8 [nbytes] buffer in 2 MiB transparent huge pages where the OS gives them.
 torch::Tensor huge_page_buffer(int64_t nbytes);
 
+// cpu_exact_int4.cpp: fp32 panels [P, K, 16] that are exactly 4-bit per group of group_size inputs (fp16 scale and
+// min) as int4 panels [P, K, 8] and scale/min [P, K / group_size, 2, 16] fp16; undefined tensors if any value is not
+std::tuple<torch::Tensor, torch::Tensor> exact_int4_panels(torch::Tensor packed, int64_t group_size);
+
 // cpu_greedy_head.cpp: the argmax of x W^T as the fp32 panels give it, from int8 codes of W and a few exact columns
 bool greedy_head_supported();
 std::vector<torch::Tensor> greedy_head_pack(torch::Tensor weight);

@@ -1,0 +1,90 @@
+// fp32 panels that are exactly 4-bit per group: each group of G inputs of a column is fma(q, d, m) with q in 0..15
+// and d, m fp16 (GGUF's Q4_1 grid, which the bundled model's linears come from: its fp32 weights are that
+// format's de-quantization). Such a weight is kept beside its panels as int4 panels (cpu_gemm.cpp's int4 layout,
+// fp16 scale/min), from which the decode rows' GEMMs widen each panel group back to the very same fp32 values
+// and run the same tiles: a decode step reads 5 bits a weight instead of 32, bit for bit the same results.
+// A weight with any group off the grid (or not finite) has no such form: it stays fp32 panels only.
+#include "ops.h"
+#include "decode_stack_parts.h"
+
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define PC_EXACT_INT4 1
+#endif
+
+namespace {
+constexpr int64_t NR = 16;
+
+#ifdef PC_EXACT_INT4
+inline __m512 as_half(__m512 v) { return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
+
+// Group g of panel p (16 columns at once): its codes and fp16 scale/min, or false if some value is off the grid.
+// The check rebuilds every value as the widening does (fma(q, d, m) in fp32) and compares bits.
+bool group_codes(const float* panel, int64_t k0, int64_t G, uint8_t* codes, c10::Half* scale, c10::Half* min) {
+  __m512 lo = _mm512_loadu_ps(panel + k0 * NR), hi = lo;
+  for (int64_t k = k0 + 1; k < k0 + G; ++k) {
+    const __m512 v = _mm512_loadu_ps(panel + k * NR);
+    lo = _mm512_min_ps(lo, v), hi = _mm512_max_ps(hi, v);
+  }
+  const __m512 m = as_half(lo);
+  const __m512 d = as_half(_mm512_div_ps(_mm512_sub_ps(hi, lo), _mm512_set1_ps(15.f)));
+  const __mmask16 steps = _mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_NEQ_UQ);  // a flat group's codes are 0
+  for (int64_t k = k0; k < k0 + G; ++k) {
+    const __m512 v = _mm512_loadu_ps(panel + k * NR);
+    __m512 q = _mm512_roundscale_ps(_mm512_maskz_div_ps(steps, _mm512_sub_ps(v, m), d),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm512_min_ps(_mm512_max_ps(q, _mm512_setzero_ps()), _mm512_set1_ps(15.f));
+    const __m512 back = _mm512_fmadd_ps(q, d, m);
+    if (_mm512_cmpneq_epi32_mask(_mm512_castps_si512(back), _mm512_castps_si512(v)))
+      return false;  // off the grid, not finite, or a -0 the widening would give as +0
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + (k - k0) * NR), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q)));
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(scale), _mm512_cvtps_ph(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(min), _mm512_cvtps_ph(m, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  return true;
+}
+#endif
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> exact_int4_panels(torch::Tensor packed, int64_t group_size) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NR && packed.scalar_type() == at::kFloat && packed.is_contiguous(),
+              "exact_int4_panels: fp32 panels [panels, K, 16]");
+  const int64_t P = packed.size(0), K = packed.size(1), G = group_size;
+  TORCH_CHECK(G > 0 && G % 4 == 0, "exact_int4_panels: a group size that is a multiple of 4");
+  auto none = std::make_tuple(torch::Tensor(), torch::Tensor());
+#ifdef PC_EXACT_INT4
+  if (K % G != 0 || P == 0) return none;
+  const int64_t groups = K / G;
+  auto q = torch::empty({P, K, 8}, packed.options().dtype(at::kByte));  // K % 4 == 0: no padded quad
+  auto sm = torch::empty({P, groups, 2, NR}, packed.options().dtype(at::kHalf));
+  const float* pw = packed.data_ptr<float>();
+  uint8_t* pq = q.data_ptr<uint8_t>();
+  c10::Half* psm = sm.data_ptr<c10::Half>();
+  std::atomic<bool> exact{true};
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<uint8_t> codes(G * NR);
+    for (int64_t p = p0; p < p1 && exact.load(std::memory_order_relaxed); ++p) {
+      const float* panel = pw + p * K * NR;
+      for (int64_t g = 0; g < groups; ++g) {
+        c10::Half* gsm = psm + (p * groups + g) * 2 * NR;
+        if (!group_codes(panel, g * G, G, codes.data(), gsm, gsm + NR)) {
+          exact = false;
+          return;
+        }
+        // Quads of 4 inputs: byte c * 4 + t = column c (low nibble) | column c + 8 (high nibble) at input 4 quad + t.
+        uint8_t* out = pq + (p * K + g * G) * 8;
+        for (int64_t k = 0; k < G; ++k)
+          for (int64_t c = 0; c < 8; ++c)
+            out[(k / 4) * 32 + c * 4 + k % 4] = uint8_t(codes[k * NR + c] | (codes[k * NR + c + 8] << 4));
+      }
+    }
+  });
+  if (exact) return std::make_tuple(q, sm);
+#endif
+  return none;
+}
