@@ -73,6 +73,16 @@ def sentencepiece_tokenizer():
 # -- streaming ---------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def tok():
+    return smollm2_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def sp_tok():
+    return sentencepiece_tokenizer()
+
+
 def encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 

@@ -30,7 +30,7 @@ def on_grid(n: int, k: int, seed: int = 0, group: int = 32) -> torch.Tensor:
 def test_a_grid_is_found_and_values_off_it_are_not():
     w = on_grid(100, 192)
     q, sm = ext.exact_int4_panels(ext.pack_linear_weight(w), 32)
-    assert q is not None and q.shape == (7, 192, 8) and sm.shape == (7, 6, 2, 16) and sm.dtype == torch.float16
+    assert q is not None and q.shape == (7, 48, 16) and sm.shape == (7, 6, 2, 16) and sm.dtype == torch.float16
     for bad in (torch.nextafter(w[37, 50], torch.tensor(1.0)), float("nan"), float("inf")):
         off = w.clone()
         off[37, 50] = bad

@@ -6,23 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from detokenizer_helpers import (HYPOTHESIS, NATURAL_TEXTS, encode, full_decode, sentencepiece_tokenizer,
-                                 smollm2_tokenizer, stream)
+from detokenizer_helpers import HYPOTHESIS, NATURAL_TEXTS, encode, full_decode, sp_tok, stream, tok  # noqa: F401
 from pagedcore import detokenizer as detok_mod
 from pagedcore.detokenizer import IncrementalDetokenizer, check_stop_strings
-
-# -- tokenizers (built in detokenizer_helpers.py) ----------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return smollm2_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def sp_tok():
-    return sentencepiece_tokenizer()
-
 
 # -- the stop search covers only the new tail ------------------------------------------
 

@@ -23,7 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "key/value [T, Hkv, D] quantized (int8 / fp8 e4m3, one fp16 scale per token and head) into the caches");
   m.def("argmax_logsumexp", &argmax_logsumexp, "per row: (argmax, logsumexp)");
   m.def("exact_int4_panels", &exact_int4_panels,
-        "fp32 panels [P, K, 16] exactly 4-bit per group -> (int4 panels [P, K, 8], fp16 scale/min [P, K / G, 2, 16]), "
+        "fp32 panels [P, K, 16] exactly 4-bit per group -> (int4 panels int16 [P, K / 4, 16], fp16 scale/min [P, K / G, 2, 16]), "
         "or undefined tensors");
   m.def("greedy_head_supported", &greedy_head_supported, "whether greedy_head runs here (AVX-512 BW and VNNI)");
   m.def("greedy_head_pack", &greedy_head_pack, "fp32 W [V, K] -> (int8 codes [ceil(V/16), ceil(K/2), 32], stats [4, V])");

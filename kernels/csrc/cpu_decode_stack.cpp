@@ -32,8 +32,8 @@ namespace {
 
 constexpr int64_t TILE = 6;  // rows per GEMM input tile (cpu_gemm.cpp's MR): one thread prepares a tile
 constexpr int64_t kExactGroup = 32;  // inputs per scale/min of an exact int4 form (Q4_1's blocks)
-constexpr int64_t kExactRows = 12;  // up to this many rows exact int4 forms are widened (set_exact_int4_rows): past
-                                    // ~16 widening every weight costs more than reading fp32 saves (2 threads)
+constexpr int64_t kExactRows = 24;  // up to this many rows exact int4 forms are widened (set_exact_int4_rows): from
+                                    // ~32 widening every weight costs what reading fp32 loses (2 threads)
 
 struct StackLinear {
   PackedWeight w;
@@ -108,7 +108,7 @@ StackLinear make_linear(torch::Tensor packed, c10::optional<torch::Tensor> scale
     auto [q, qsm] = exact_int4_panels(packed, kExactGroup);
     if (q.defined()) {
       l.keep.push_back(q), l.keep.push_back(qsm);
-      l.w.exact_q = q.data_ptr<uint8_t>(), l.w.exact_sm = qsm.data_ptr<c10::Half>(), l.w.exact_group = kExactGroup;
+      l.w.exact_q = reinterpret_cast<const uint16_t*>(q.data_ptr<int16_t>()), l.w.exact_sm = qsm.data_ptr<c10::Half>(), l.w.exact_group = kExactGroup;
     }
   }
   return l;

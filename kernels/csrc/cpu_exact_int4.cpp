@@ -1,7 +1,7 @@
 // fp32 panels that are exactly 4-bit per group: each group of G inputs of a column is fma(q, d, m) with q in 0..15
 // and d, m fp16 (GGUF's Q4_1 grid, which the bundled model's linears come from: its fp32 weights are that
-// format's de-quantization). Such a weight is kept beside its panels as int4 panels (cpu_gemm.cpp's int4 layout,
-// fp16 scale/min), from which the decode rows' GEMMs widen each panel group back to the very same fp32 values
+// format's de-quantization). Such a weight is kept beside its panels as int4 panels (per quad of 4 inputs one uint16
+// a column, a nibble an input; fp16 scale/min per group), from which the decode rows' GEMMs widen each panel group back to the very same fp32 values
 // and run the same tiles: a decode step reads 5 bits a weight instead of 32, bit for bit the same results.
 // A weight with any group off the grid (or not finite) has no such form: it stays fp32 panels only.
 #include "ops.h"
@@ -60,10 +60,10 @@ std::tuple<torch::Tensor, torch::Tensor> exact_int4_panels(torch::Tensor packed,
 #ifdef PC_EXACT_INT4
   if (K % G != 0 || P == 0) return none;
   const int64_t groups = K / G;
-  auto q = torch::empty({P, K, 8}, packed.options().dtype(at::kByte));  // K % 4 == 0: no padded quad
+  auto q = torch::empty({P, K / 4, NR}, packed.options().dtype(at::kShort));  // K % 4 == 0: whole quads
   auto sm = torch::empty({P, groups, 2, NR}, packed.options().dtype(at::kHalf));
   const float* pw = packed.data_ptr<float>();
-  uint8_t* pq = q.data_ptr<uint8_t>();
+  uint16_t* pq = reinterpret_cast<uint16_t*>(q.data_ptr<int16_t>());
   c10::Half* psm = sm.data_ptr<c10::Half>();
   std::atomic<bool> exact{true};
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
@@ -76,11 +76,12 @@ std::tuple<torch::Tensor, torch::Tensor> exact_int4_panels(torch::Tensor packed,
           exact = false;
           return;
         }
-        // Quads of 4 inputs: byte c * 4 + t = column c (low nibble) | column c + 8 (high nibble) at input 4 quad + t.
-        uint8_t* out = pq + (p * K + g * G) * 8;
-        for (int64_t k = 0; k < G; ++k)
-          for (int64_t c = 0; c < 8; ++c)
-            out[(k / 4) * 32 + c * 4 + k % 4] = uint8_t(codes[k * NR + c] | (codes[k * NR + c + 8] << 4));
+        // Quads of 4 inputs, one uint16 a column: nibble t = the code of input 4 quad + t (widen_exact_int4).
+        uint16_t* out = pq + (p * K + g * G) / 4 * NR;
+        for (int64_t k = 0; k < G; k += 4)
+          for (int64_t c = 0; c < NR; ++c)
+            out[k / 4 * NR + c] = uint16_t(codes[k * NR + c] | codes[(k + 1) * NR + c] << 4 |
+                                           codes[(k + 2) * NR + c] << 8 | codes[(k + 3) * NR + c] << 12);
       }
     }
   });

@@ -233,9 +233,9 @@ using zmm::tile_zmm;
 // dense_panels over groups of PZ panels in zmm tiles: fp32 panels as they are, bf16 ones widened (PZ at a time).
 void widen_exact_int4(const PackedWeight& w, int64_t p, float* buf);
 inline bool runs_exact_int4(const PackedWeight& w, int64_t M) { return w.exact_q != nullptr && M <= w.exact_rows; }
-// Where panel p's bytes start (exact: its int4 panel, K * 8 bytes) and how many bytes a panel has.
+// Where panel p's bytes start (exact: its int4 panel, K * 8 bytes).
 inline const char* panel_bytes(const PackedWeight& w, int64_t p, bool exact, int64_t elem) {
-  return exact ? reinterpret_cast<const char*>(w.exact_q + p * w.K * 8)
+  return exact ? reinterpret_cast<const char*>(w.exact_q + p * w.K * 4)
                : static_cast<const char*>(w.w) + p * w.K * NR * elem;
 }
 
@@ -515,37 +515,29 @@ void widen_int4(const uint8_t* q, const sm_t<S>* sm, int64_t K, int64_t G, float
   });
 }
 
-// An exact fp32 weight's panel p from its int4 form (cpu_exact_int4.cpp): fma(q, d, m) as the check built it. All
-// 16 columns of an input at once (the quad's 8 lanes twice, shifted by 8 t for columns 0-7 and 8 t + 4 for 8-15):
-// 4 instructions per 16 weights, half of widen_int4's 8-wide loop (groups of 4k inputs: no group starts in a quad).
+#ifdef PC_AVX512
+// An exact fp32 weight's panel p from its int4 form (cpu_exact_int4.cpp): fma(q, d, m) as the check built it. A quad's
+// 16 uint16 (one a column) zero-extended to lanes; code t of each is its nibble t, and vpermps, which reads only an
+// index's low 4 bits, turns it into the float q from a table: 3 instructions per 16 weights (shift, permute, fma).
 void widen_exact_int4(const PackedWeight& w, int64_t p, float* buf) {
   const int64_t K = w.K, G = w.exact_group;
-  const uint8_t* q = w.exact_q + p * K * 8;
+  const uint16_t* q = w.exact_q + p * K * 4;
   const c10::Half* sm = w.exact_sm + p * (K / G) * 2 * NR;
-#ifdef PC_AVX512
-  const __m512i nib = _mm512_set1_epi32(0x0F);
-  const __m512i s0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
-  const __m512i s1 = _mm512_add_epi32(s0, _mm512_set1_epi32(8)), s2 = _mm512_add_epi32(s0, _mm512_set1_epi32(16)),
-                s3 = _mm512_add_epi32(s0, _mm512_set1_epi32(24));
+  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t g = 0; g < K / G; ++g) {
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + g * 2 * NR)));
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + g * 2 * NR + NR)));
     for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
-      _mm_prefetch(reinterpret_cast<const char*>(q + k * 8 + PF4), _MM_HINT_T0);
-      const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k * 8)));
-      auto one = [&](__m512i shift) {
-        return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(v, shift), nib)), d, m);
-      };
-      _mm512_storeu_ps(buf + k * NR, one(s0));
-      _mm512_storeu_ps(buf + (k + 1) * NR, one(s1));
-      _mm512_storeu_ps(buf + (k + 2) * NR, one(s2));
-      _mm512_storeu_ps(buf + (k + 3) * NR, one(s3));
+      _mm_prefetch(reinterpret_cast<const char*>(q + k * 4) + PF4, _MM_HINT_T0);
+      const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k * 4)));
+      _mm512_storeu_ps(buf + k * NR, _mm512_fmadd_ps(_mm512_permutexvar_ps(v, codes), d, m));
+      _mm512_storeu_ps(buf + (k + 1) * NR, _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), codes), d, m));
+      _mm512_storeu_ps(buf + (k + 2) * NR, _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), codes), d, m));
+      _mm512_storeu_ps(buf + (k + 3) * NR, _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), codes), d, m));
     }
   }
-#else
-  widen_int4<c10::Half>(q, sm, K, G, buf);
-#endif
 }
+#endif
 
 // R rows of int8 activations (xq rows at stride K, block scales d at stride K / 32, group sums xs at
 // stride K / G) against one panel; G a multiple of 32. Per quad and row: one maddubs per 8 columns

@@ -53,7 +53,7 @@ struct PackedWeight {
   bool vnni = false;         // kBFloat16 in the VNNI pair layout (cpu_gemm_vnni.cpp), not panels
   // kFloat panels that are exactly 4-bit per group (cpu_exact_int4.cpp): their int4 panels and fp16 scale/min,
   // which the AVX-512 tiles widen back to the same fp32 values up to exact_rows rows (nullptr: none)
-  const uint8_t* exact_q = nullptr;
+  const uint16_t* exact_q = nullptr;
   const c10::Half* exact_sm = nullptr;
   int64_t exact_group = 0, exact_rows = 0;
   int64_t panels() const { return (N + 15) / 16; }
