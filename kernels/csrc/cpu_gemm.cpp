@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <initializer_list>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -233,6 +234,25 @@ using zmm::tile_zmm;
 // dense_panels over groups of PZ panels in zmm tiles: fp32 panels as they are, bf16 ones widened (PZ at a time).
 void widen_exact_int4(const PackedWeight& w, int64_t p, float* buf);
 inline bool runs_exact_int4(const PackedWeight& w, int64_t M) { return w.exact_q != nullptr && M <= w.exact_rows; }
+// Up to 4 panels of an exact weight for exact_tile: their int4 panels and scale/min, and how far ahead (uint16s) the
+// same panel of the next group lies.
+struct ExactPanels {
+  const uint16_t* q[4];
+  const c10::Half* sm[4];
+  int64_t ahead;
+};
+inline ExactPanels exact_panels(const PackedWeight& w, std::initializer_list<int64_t> panels, int64_t ahead) {
+  ExactPanels e{};
+  int i = 0;
+  for (int64_t p : panels) e.q[i] = w.exact_q + p * w.K * 4, e.sm[i++] = w.exact_sm + p * (w.K / w.exact_group) * 2 * NR;
+  e.ahead = ahead * w.K * 4;
+  return e;
+}
+void exact_tile(int64_t rows, int64_t np, const float* a, int64_t ka, int64_t ra, const ExactPanels& e, int64_t K,
+                int64_t G, float* c);
+// Up to this many rows exact weights are widened in registers per row tile (exact_tile), from more once per call
+// into a buffer the tiles share.
+constexpr int64_t FUSED_ROWS = 2 * MR;
 // Where panel p's bytes start (exact: its int4 panel, K * 8 bytes).
 inline const char* panel_bytes(const PackedWeight& w, int64_t p, bool exact, int64_t elem) {
   return exact ? reinterpret_cast<const char*>(w.exact_q + p * w.K * 4)
@@ -245,7 +265,9 @@ void dense_panels_zmm(const PackedWeight& w, const GemmInput& in, X* y, int64_t 
   const int64_t M = in.M, N = w.N, K = w.K;
   // fp32 panels with an exact int4 form are widened from it at decode rows (cpu_exact_int4.cpp): same values
   const bool exact = std::is_same_v<W, float> && runs_exact_int4(w, M);
-  const bool widen = !std::is_same_v<W, float> || exact;
+  // One tile of rows: each weight widened in registers and used at once (exact_tile); more: widened once into wbuf.
+  const bool fused = exact && M <= FUSED_ROWS;
+  const bool widen = !std::is_same_v<W, float> || (exact && !fused);
   const int64_t pb = exact ? K * 8 : K * NR * int64_t(sizeof(W));  // bytes a panel
   const W* packed = static_cast<const W*>(w.w);
   if (widen && int64_t(wbuf.size()) < PZ * K * NR) wbuf.resize(PZ * K * NR);
@@ -274,8 +296,12 @@ void dense_panels_zmm(const PackedWeight& w, const GemmInput& in, X* y, int64_t 
       for (int64_t i = m0, t = 0; i < m1; i += MR, ++t) {
         const int64_t rows = std::min(MR, m1 - i);
         const int64_t first = t * pf.per_tile(K);
-        tile_zmm(rows, np, a + i * K, in.direct ? 1 : rows, in.direct ? K : 1, b, K * NR, 2 * K * NR, K, c,
-                 next + first * 64, first < next_lines ? pf.n : 0, pf.every);
+        if (fused)
+          exact_tile(rows, np, a + i * K, in.direct ? 1 : rows, in.direct ? K : 1,
+                     exact_panels(w, {p, p + 1, p + 2, p + 3}, PZ), K, w.exact_group, c);
+        else
+          tile_zmm(rows, np, a + i * K, in.direct ? 1 : rows, in.direct ? K : 1, b, K * NR, 2 * K * NR, K, c,
+                   next + first * 64, first < next_lines ? pf.n : 0, pf.every);
         for (int64_t q = 0; q < np; ++q) {
           const int64_t n0 = (p + q) * NR;
           store_tile(c + q * MR * NR, rows, std::min(NR, N - n0), w.bias, n0, y + i * N + n0, N);
@@ -318,7 +344,8 @@ void silu_mul_panels_zmm(const PackedWeight& w, const GemmInput& in, X* y, int64
                          std::vector<float>& wbuf) {
   const int64_t M = in.M, I = w.N / 2, K = w.K, half = I / NR, ps = K * NR;
   const bool exact = std::is_same_v<W, float> && runs_exact_int4(w, M);  // as in dense_panels_zmm
-  const bool widen = !std::is_same_v<W, float> || exact;
+  const bool fused = exact && M <= FUSED_ROWS;
+  const bool widen = !std::is_same_v<W, float> || (exact && !fused);
   const int64_t pb = exact ? K * 8 : ps * int64_t(sizeof(W));
   const W* packed = static_cast<const W*>(w.w);
   if (widen && int64_t(wbuf.size()) < PZ * ps) wbuf.resize(PZ * ps);
@@ -356,8 +383,14 @@ void silu_mul_panels_zmm(const PackedWeight& w, const GemmInput& in, X* y, int64
         const int64_t first = t * spread.per_tile(K);
         const char* pf = first < side ? gate_next + first * 64 : up_next + (first - side) * 64;
         // One pair: gate and up as panels 0 and 1 (panel 1 at b + ps there).
-        tile_zmm(rows, 2 * pairs, a + i * K, in.direct ? 1 : rows, in.direct ? K : 1, b, pairs == 2 ? ps : hs, hs,
-                 K, c, pf, first < next_lines ? spread.n : 0, spread.every);
+        if (fused)
+          exact_tile(rows, 2 * pairs, a + i * K, in.direct ? 1 : rows, in.direct ? K : 1,
+                     pairs == 2 ? exact_panels(w, {p, p + 1, half + p, half + p + 1}, 2)
+                                : exact_panels(w, {p, half + p}, 2),
+                     K, w.exact_group, c);
+        else
+          tile_zmm(rows, 2 * pairs, a + i * K, in.direct ? 1 : rows, in.direct ? K : 1, b, pairs == 2 ? ps : hs, hs,
+                   K, c, pf, first < next_lines ? spread.n : 0, spread.every);
         for (int64_t q = 0; q < pairs; ++q)
           store_silu_mul(c + q * MR * NR, c + (pairs + q) * MR * NR, rows, w.bias, (p + q) * NR, (half + p + q) * NR,
                          y + i * I + (p + q) * NR, I);
@@ -535,6 +568,75 @@ void widen_exact_int4(const PackedWeight& w, int64_t p, float* buf) {
       _mm512_storeu_ps(buf + (k + 2) * NR, _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), codes), d, m));
       _mm512_storeu_ps(buf + (k + 3) * NR, _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), codes), d, m));
     }
+  }
+}
+
+// R rows x P panels of an exact weight, each weight widened in registers as widen_exact_int4 widens it and used
+// at once: widening into a buffer and tiling it moved every fp32 weight through L2 twice (~7 ms a one-row step
+// on 2 threads). The same FMA chain per output as micro_kernel_zmm (from +0, over k in order): bit for bit its
+// result. The same panel of the next group is asked for into L2 as this one is read.
+template <int R, int P>
+__attribute__((noinline)) void exact_tile_rp(const float* a, int64_t ka, int64_t ra, const ExactPanels& e, int64_t K,
+                                             int64_t G, float* c) {
+  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 acc[R][P];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < K / G; ++g) {
+    __m512 d[P], m[P];
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) {
+      d[p] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(e.sm[p] + g * 2 * NR)));
+      m[p] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(e.sm[p] + g * 2 * NR + NR)));
+    }
+    for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
+      __m512i v[P];
+#pragma GCC unroll 4
+      for (int p = 0; p < P; ++p) {
+        if ((k & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(e.q[p] + e.ahead + k * 4), _MM_HINT_T1);
+        v[p] = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(e.q[p] + k * 4)));
+      }
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) {
+        const float* ak = a + (k + t) * ka;
+#pragma GCC unroll 4
+        for (int p = 0; p < P; ++p) {
+          const __m512 wv = _mm512_fmadd_ps(_mm512_permutexvar_ps(v[p], codes), d[p], m[p]);
+          v[p] = _mm512_srli_epi32(v[p], 4);  // the next input's nibble into the index bits
+#pragma GCC unroll 6
+          for (int r = 0; r < R; ++r) acc[r][p] = _mm512_fmadd_ps(_mm512_set1_ps(ak[r * ra]), wv, acc[r][p]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) _mm512_storeu_ps(c + p * MR * NR + r * NR, acc[r][p]);
+}
+
+template <int R>
+void exact_tile_r(int64_t np, const float* a, int64_t ka, int64_t ra, const ExactPanels& e, int64_t K, int64_t G,
+                  float* c) {
+  switch (np) {
+    case 1: return exact_tile_rp<R, 1>(a, ka, ra, e, K, G, c);
+    case 2: return exact_tile_rp<R, 2>(a, ka, ra, e, K, G, c);
+    case 3: return exact_tile_rp<R, 3>(a, ka, ra, e, K, G, c);
+    default: return exact_tile_rp<R, 4>(a, ka, ra, e, K, G, c);
+  }
+}
+
+void exact_tile(int64_t rows, int64_t np, const float* a, int64_t ka, int64_t ra, const ExactPanels& e, int64_t K,
+                int64_t G, float* c) {
+  switch (rows) {
+    case 1: return exact_tile_r<1>(np, a, ka, ra, e, K, G, c);
+    case 2: return exact_tile_r<2>(np, a, ka, ra, e, K, G, c);
+    case 3: return exact_tile_r<3>(np, a, ka, ra, e, K, G, c);
+    case 4: return exact_tile_r<4>(np, a, ka, ra, e, K, G, c);
+    case 5: return exact_tile_r<5>(np, a, ka, ra, e, K, G, c);
+    default: return exact_tile_r<6>(np, a, ka, ra, e, K, G, c);
   }
 }
 #endif
