@@ -14,8 +14,8 @@ layer. `EngineConfig.decode_stack=False` turns it off altogether.
 
 fp32 weights that are exactly 4-bit per group of 32 (each value fma(q, d, m), q in 0..15, d and m fp16: what
 a GGUF Q4_1 checkpoint such as the bundled model de-quantizes to) are found when the stack is built
-(kernels/csrc/cpu_exact_int4.cpp) and kept as int4 panels beside the fp32 ones: decode steps of up to 24 rows widen
-them back to the same fp32 values (in registers, or for 13-24 rows into a buffer the row tiles share) and run the
+(kernels/csrc/cpu_exact_int4.cpp) and kept as int4 panels beside the fp32 ones: decode steps of up to 12 rows widen
+them back to the same fp32 values in registers (past 12, if raised, into a buffer the row tiles share) and run the
 same FMA chains, reading 5 bits a weight instead of 32, with results bit for bit those of the fp32 panels
 (tests/test_exact_int4.py).
 

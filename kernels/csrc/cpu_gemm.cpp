@@ -231,7 +231,6 @@ inline bool zmm_tiles_run(const PackedWeight& w, int64_t M) {
 #ifdef PC_AVX512
 using zmm::PZ;
 using zmm::tile_zmm;
-// dense_panels over groups of PZ panels in zmm tiles: fp32 panels as they are, bf16 ones widened (PZ at a time).
 void widen_exact_int4(const PackedWeight& w, int64_t p, float* buf);
 inline bool runs_exact_int4(const PackedWeight& w, int64_t M) { return w.exact_q != nullptr && M <= w.exact_rows; }
 // Up to 4 panels of an exact weight for exact_tile: their int4 panels and scale/min, and how far ahead (uint16s) the
@@ -259,6 +258,7 @@ inline const char* panel_bytes(const PackedWeight& w, int64_t p, bool exact, int
                : static_cast<const char*>(w.w) + p * w.K * NR * elem;
 }
 
+// dense_panels over groups of PZ panels in zmm tiles: fp32 panels as they are, bf16 ones widened (PZ at a time).
 template <typename X, typename W>
 void dense_panels_zmm(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1,
                       std::vector<float>& wbuf) {
