@@ -273,9 +273,23 @@ class ExtDecodePlan:
     seq_lens: torch.Tensor  # int32 [n]
 
 
-def plan_ext_decode(metadata: AttentionMetadata) -> ExtDecodePlan | None:
+def one_token_prompt_rows(metadata: AttentionMetadata) -> list[int]:
+    """Rows that are a prompt's only query token this step: its last token alone after a prefix-cache hit, or a
+    last chunk of one token. Where the C++ prefill kernel runs they go to it, not to the decode kernel: it gives a
+    prompt's rows the values they get in one piece (the decode kernel's sums differ in last bits, so a prompt's
+    first token moved by ulps between a cache hit and a miss)."""
+    prompts = metadata.num_prompt_tokens_cpu
+    if prompts is None:
+        return []
+    qsl, lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+    return [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1 and lens[i] <= prompts[i]]
+
+
+def plan_ext_decode(metadata: AttentionMetadata, skip: list[int] = ()) -> ExtDecodePlan | None:
+    """Every row of one query token but `skip`'s."""
     qsl = metadata.query_start_loc_cpu
-    decode = [i for i in range(len(metadata.seq_lens_cpu)) if qsl[i + 1] - qsl[i] == 1]
+    skip = set(skip)
+    decode = [i for i in range(len(metadata.seq_lens_cpu)) if qsl[i + 1] - qsl[i] == 1 and i not in skip]
     if not decode:
         return None
     idx = torch.tensor(decode, dtype=torch.long)
@@ -284,14 +298,24 @@ def plan_ext_decode(metadata: AttentionMetadata) -> ExtDecodePlan | None:
                          torch.tensor([metadata.seq_lens_cpu[i] for i in decode], dtype=torch.int32))
 
 
-def _ext_plan(metadata: AttentionMetadata, plans: dict | None) -> ExtDecodePlan | None:
+def _ext_plan(metadata: AttentionMetadata, plans: dict | None, skip: list[int] = ()) -> ExtDecodePlan | None:
     """The step's decode plan, built by the first layer and kept in `plans` for the others."""
     plan = plans.get("ext", False) if plans is not None else False
     if plan is False:
-        plan = plan_ext_decode(metadata)
+        plan = plan_ext_decode(metadata, skip)
         if plans is not None:
             plans["ext"] = plan
     return plan
+
+
+def prompt_rows_of_one_token(ext, metadata: AttentionMetadata, head_dim: int, plans: dict | None) -> list[int]:
+    """one_token_prompt_rows where the C++ prefill kernel runs for head_dim, else none; kept in `plans`."""
+    rows = plans.get("one_token_prompts") if plans is not None else None
+    if rows is None:
+        rows = one_token_prompt_rows(metadata) if ext.paged_prefill_supported(head_dim) else []
+        if plans is not None:
+            plans["one_token_prompts"] = rows
+    return rows
 
 
 def _decode_ext(ext, out, query, k_cache, v_cache, plan: ExtDecodePlan, scale, sliding_window, softcap):
@@ -346,19 +370,20 @@ def cpu_paged_attention(
     qsl = metadata.query_start_loc_cpu
     ext = cpu_ext.load() if use_ext and query.device.type == "cpu" and not use_sdpa else None
     use_ext = ext is not None and query.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-    if use_ext and out is None and 0 < len(qsl) - 1 == qsl[-1] == query.shape[0]:
+    one_token_prompts = prompt_rows_of_one_token(ext, metadata, query.shape[-1], plans) if use_ext else []
+    if use_ext and out is None and not one_token_prompts and 0 < len(qsl) - 1 == qsl[-1] == query.shape[0]:
         # Every row a decode, none padding: the kernel's output is the whole result (no copy into `out`).
         plan = _ext_plan(metadata, plans)
         return _decode_ext(ext, None, query, k_cache, v_cache, plan, scale, sliding_window, softcap)
     if out is None:
         out = torch.zeros_like(query) if qsl[-1] < query.shape[0] else torch.empty_like(query)
-    prompts = [i for i in range(len(metadata.seq_lens_cpu)) if qsl[i + 1] - qsl[i] > 1]
+    prompts = sorted([i for i in range(len(metadata.seq_lens_cpu)) if qsl[i + 1] - qsl[i] > 1] + one_token_prompts)
     if use_ext and prompts:
         prompts = _prefill_ext(ext, out, query, k_cache, v_cache, metadata, prompts, scale, sliding_window, softcap)
     for i in prompts:
         _prefill_one(out, query, k_cache, v_cache, metadata, i, scale, sliding_window, softcap)
     if use_ext:
-        plan = _ext_plan(metadata, plans)
+        plan = _ext_plan(metadata, plans, one_token_prompts)
         if plan is not None:
             _decode_ext(ext, out, query, k_cache, v_cache, plan, scale, sliding_window, softcap)
         return out

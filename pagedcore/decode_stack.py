@@ -36,7 +36,7 @@ from torch import nn
 from pagedcore import fused_projections, lean_layers, onednn_linear, quantization, vnni_layout
 from pagedcore.greedy_head import ArgmaxTokens, GreedyHead
 from pagedcore.kernels import cpu_ext, kv_quant
-from pagedcore.kernels.cpu_attention import ExtDecodePlan, _ext_plan
+from pagedcore.kernels.cpu_attention import ExtDecodePlan, _ext_plan, prompt_rows_of_one_token
 from pagedcore.quantization import Int4Linear, Int8Linear
 
 logger = logging.getLogger("pagedcore")
@@ -69,7 +69,7 @@ class _Installed:
 
 class DecodeStack:
     def __init__(self, ext, model: nn.Module, kv_caches: list, head_dim: int):
-        self.model, self.base, self.kv_caches, self.head_dim = model, model.model, kv_caches, head_dim
+        self.ext, self.model, self.base, self.kv_caches, self.head_dim = ext, model, model.model, kv_caches, head_dim
         c = model.config.get_text_config()
         self.stack = ext.DecodeStack(c.hidden_size, c.num_attention_heads, kv_caches[0][0].shape[2], head_dim,
                                      c.intermediate_size)
@@ -131,6 +131,8 @@ class DecodeStack:
             return None
         if not 0 < len(qsl) - 1 == qsl[-1] == num_tokens or not self._intact():
             return None
+        if prompt_rows_of_one_token(self.ext, md, self.head_dim, ctx.metadata.decode_plans):
+            return None  # a prompt's token: the prefill kernel's (cpu_paged_attention), so the layers run this step
         return _ext_plan(md, ctx.metadata.decode_plans)
 
     def _intact(self) -> bool:

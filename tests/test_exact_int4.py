@@ -80,8 +80,7 @@ def _run(engine: LLMEngine, params: SamplingParams, prompts=PROMPTS) -> list:
 @pytest.mark.parametrize("batch", [16, 9, 3])  # past 12 rows widened into a buffer, else in registers
 def test_decode_steps_are_bit_for_bit_the_fp32_panels(grid_model_dir, batch):
     """Sequences decoding 16 tokens with their top-5 logprobs: the same floats with the int4 form as without."""
-    engine = LLMEngine(model=str(grid_model_dir), dtype="float32", max_num_seqs=16, num_kv_blocks=512,
-                       enable_prefix_caching=False)  # (a prefix hit moves prompt logits by ulps: not this test)
+    engine = LLMEngine(model=str(grid_model_dir), dtype="float32", max_num_seqs=16, num_kv_blocks=512)
     stack = engine.runner.decode_stack
     if stack is None:
         pytest.skip("no decode stack here")
@@ -104,8 +103,7 @@ def test_random_weights_have_no_int4_form(tiny_model_dir):
 
 def test_the_bundled_gguf_model_is_on_the_grid(smollm2_dir):
     """SmolLM2's linears are Q4_1 in the GGUF: every one found; greedy tokens as without the form."""
-    engine = LLMEngine(model=str(smollm2_dir), dtype="float32", max_num_seqs=8, num_kv_blocks=128,
-                       enable_prefix_caching=False)
+    engine = LLMEngine(model=str(smollm2_dir), dtype="float32", max_num_seqs=8, num_kv_blocks=128)
     stack = engine.runner.decode_stack
     if stack is None:
         pytest.skip("no decode stack here")

@@ -279,3 +279,54 @@ def test_short_prompt_chunks_stay_prompt_rows_where_the_prefill_kernel_runs():
     split = split_short_queries(md)
     assert split.query_start_loc_cpu == list(range(14)) + [53]
     assert split.seq_lens_cpu == list(range(65, 73)) + [97, 98, 99, 100, 30, 40]
+
+
+def test_a_prompts_one_token_is_not_a_decode_row():
+    """A row of one query token inside its prompt (its last token alone after a prefix-cache hit) is a prompt row:
+    the decode plan leaves it out, so the prefill kernel computes it as it does the whole prompt."""
+    from pagedcore.attention.backend import AttentionMetadata
+    from pagedcore.kernels.cpu_attention import one_token_prompt_rows, plan_ext_decode
+
+    qsl, lens, prompts = [0, 1, 2, 3, 11], [33, 40, 1, 20], [33, 30, 1, 20]  # tail, decode, 1-token prompt, prompt
+    md = AttentionMetadata(
+        num_tokens=11, query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_table=torch.arange(4 * 4, dtype=torch.int32).view(4, 4), slot_mapping=torch.zeros(11, dtype=torch.long),
+        max_query_len=8, max_seq_len=40, query_start_loc_cpu=qsl, seq_lens_cpu=lens, block_size=16,
+        num_prompt_tokens_cpu=prompts)
+    assert one_token_prompt_rows(md) == [0, 2]
+    assert plan_ext_decode(md, one_token_prompt_rows(md)).rows.tolist() == [1]
+    assert plan_ext_decode(md).rows.tolist() == [0, 1, 2]
+
+
+def test_a_prompt_whose_last_token_alone_follows_a_prefix_hit_gets_what_it_gets_whole(tiny_model_dir):
+    """Prompts of 17, 33 and 81 tokens (block 16) run twice beside others: the second time every full block is a
+    prefix-cache hit and the last token runs alone. Its logprobs are the same floats as the first time's (the
+    decode kernel, which had taken it, differs from the prefill kernel in last bits)."""
+    from pagedcore import LLMEngine, SamplingParams
+    from pagedcore.kernels import cpu_ext
+
+    ext = cpu_ext.load()
+    if ext is None or not ext.paged_prefill_supported(16):
+        pytest.skip("the C++ prefill kernel runs on AVX-512 CPUs only")
+    engine = LLMEngine(model=str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=8, num_kv_blocks=128,
+                       enable_prefix_caching=True)
+    prompts = [list(range(100 + 7 * i, 100 + 7 * i + n)) for i, n in enumerate((17, 33, 81, 40, 25))]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
+
+    def run():
+        ids = [engine.add_request(None, p, params) for p in prompts]
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks, "KV blocks leaked"
+        return [done[i] for i in ids]
+
+    first, second = run(), run()
+    assert [o.num_cached_tokens for o in second[:3]] == [16, 32, 80]  # the last token alone
+    for a, b in zip(first, second):
+        a, b = a.outputs[0], b.outputs[0]
+        assert a.token_ids == b.token_ids
+        assert [sorted((t, lp.logprob) for t, lp in s.items()) for s in a.logprobs] == \
+            [sorted((t, lp.logprob) for t, lp in s.items()) for s in b.logprobs]
