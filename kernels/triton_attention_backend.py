@@ -26,7 +26,8 @@ from pagedcore.kernels import kv_quant
 from pagedcore.kernels.block_copy import copy_blocks as triton_copy_blocks
 from pagedcore.kernels.block_copy import swap_blocks as _swap_blocks
 from pagedcore.kernels.cache_write import reshape_and_cache
-from pagedcore.kernels.decode_attention import DecodePlan, paged_decode_attention, plan_decode
+from pagedcore.kernels.decode_attention import paged_decode_attention
+from pagedcore.kernels.decode_plan import DecodePlan, plan_decode
 from pagedcore.kernels.prefill_attention import paged_prefill_attention
 
 

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedcore.kernels.decode_attention import DecodePlan, paged_decode_attention, plan_decode
+from pagedcore.kernels.decode_attention import paged_decode_attention
+from pagedcore.kernels.decode_plan import DecodePlan, plan_decode
 from pagedcore.kernels.reference import ref_paged_attention
 from pagedcore.kernels.testing import draw_batch_spec, make_paged_batch, rel_err, tolerance
 

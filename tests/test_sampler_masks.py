@@ -9,7 +9,8 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from pagedcore.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k, apply_top_p, token_counts
+from pagedcore.logits_processors import apply_min_p, apply_penalties, apply_top_k, apply_top_p, token_counts
+from pagedcore.sampler import Sampler
 from pagedcore.sampling_params import SamplingParams
 from sampler_helpers import FAST, NEG_INF, build, kept, random_logits
 
