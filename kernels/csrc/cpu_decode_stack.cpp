@@ -32,8 +32,9 @@ namespace {
 
 constexpr int64_t TILE = 6;  // rows per GEMM input tile (cpu_gemm.cpp's MR): one thread prepares a tile
 constexpr int64_t kExactGroup = 32;  // inputs per scale/min of an exact int4 form (Q4_1's blocks)
-constexpr int64_t kExactRows = 12;  // up to this many rows exact int4 forms are widened (set_exact_int4_rows): past
-                                    // the in-register tiles' 12 the workload's steps ran no faster (2 threads)
+constexpr int64_t kExactRows = 32;  // up to this many rows exact int4 forms are widened (set_exact_int4_rows): in
+                                    // 6-row tiles to 12 rows, tall tiles to 36; at 33-36 rows the workload's steps ran
+                                    // no faster than the fp32 panels (2 threads)
 
 struct StackLinear {
   PackedWeight w;

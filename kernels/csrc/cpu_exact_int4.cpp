@@ -51,6 +51,59 @@ bool group_codes(const float* panel, int64_t k0, int64_t G, uint8_t* codes, c10:
 #endif
 }  // namespace
 
+#ifdef PC_EXACT_INT4
+namespace {
+// R rows (packed in tiles of 6 as pack_tiles lays them: row r at a + (r / 6) * 6 K + k * width + r % 6, the last
+// tile `width` = R - 6 (tiles - 1) rows wide) x one panel of an exact weight. Each widened weight vector costs 3
+// vector ops beside the R FMAs it feeds, on the same two ports: 6 rows x 4 panels (exact_tile) spend a third of
+// their slots widening, 24 rows x 1 panel an eighth; so past 12 rows one tall tile a panel beats both exact_tile
+// (its rows tile by tile, each widening again) and the fp32 panels (read at 32 bits a weight, memory-bound there).
+// The same FMA chain per output as micro_kernel_zmm (from +0, over k in order): bit for bit its result.
+template <int R>
+__attribute__((noinline)) void exact_tall_r(const float* a, int64_t K, const uint16_t* q, const c10::Half* sm,
+                                            const uint16_t* next_q, int64_t G, float* c) {
+  constexpr int tiles = (R + 5) / 6, last = R - 6 * (tiles - 1);
+  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 acc[R];
+#pragma GCC unroll 24
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < K / G; ++g) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + g * 2 * NR)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + g * 2 * NR + NR)));
+    for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
+      if ((k & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(next_q + k * 4), _MM_HINT_T1);
+      __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k * 4)));
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) {
+        const __m512 wv = _mm512_fmadd_ps(_mm512_permutexvar_ps(v, codes), d, m);
+        v = _mm512_srli_epi32(v, 4);  // the next input's nibble into the index bits
+#pragma GCC unroll 24
+        for (int r = 0; r < R; ++r) {
+          const int tile = r / 6, width = tile == tiles - 1 ? last : 6;
+          const float x = a[tile * 6 * K + (k + t) * width + r % 6];
+          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x), wv, acc[r]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 24
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(c + r * NR, acc[r]);
+}
+}  // namespace
+
+void exact_tall(int64_t rows, const float* a, int64_t K, const uint16_t* q, const c10::Half* sm,
+                const uint16_t* next_q, int64_t G, float* c) {
+  switch (rows) {
+#define PC_TALL(R) \
+  case R: return exact_tall_r<R>(a, K, q, sm, next_q, G, c);
+    PC_TALL(12) PC_TALL(13) PC_TALL(14) PC_TALL(15) PC_TALL(16) PC_TALL(17) PC_TALL(18) PC_TALL(19) PC_TALL(20)
+    PC_TALL(21) PC_TALL(22) PC_TALL(23) PC_TALL(24)
+#undef PC_TALL
+    default: TORCH_CHECK(false, "exact_tall: 12 to 24 rows, got ", rows);
+  }
+}
+#endif
+
 std::tuple<torch::Tensor, torch::Tensor> exact_int4_panels(torch::Tensor packed, int64_t group_size) {
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NR && packed.scalar_type() == at::kFloat && packed.is_contiguous(),
               "exact_int4_panels: fp32 panels [panels, K, 16]");

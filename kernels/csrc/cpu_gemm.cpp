@@ -249,9 +249,36 @@ inline ExactPanels exact_panels(const PackedWeight& w, std::initializer_list<int
 }
 void exact_tile(int64_t rows, int64_t np, const float* a, int64_t ka, int64_t ra, const ExactPanels& e, int64_t K,
                 int64_t G, float* c);
-// Up to this many rows exact weights are widened in registers per row tile (exact_tile), from more once per call
-// into a buffer the tiles share.
+// Up to this many rows exact weights are widened in registers per row tile (exact_tile); from more up to TALL_ROWS
+// in registers per tall tile of 12-24 rows and one panel (exact_tall, cpu_exact_int4.cpp); from more still once per
+// call into a buffer the tiles share.
 constexpr int64_t FUSED_ROWS = 2 * MR;
+constexpr int64_t TALL_ROWS = 36;
+inline bool tall_runs(const PackedWeight& w, int64_t M) {
+  return w.type == at::kFloat && !w.vnni && runs_exact_int4(w, M) && M > FUSED_ROWS && M <= TALL_ROWS;
+}
+// The tall tiles' rows: all M up to 24, else 12 and M - 12 (tiles start on pack_tiles' 6-row tiles).
+inline int64_t tall_split(int64_t M) { return M > 24 ? 12 : M; }
+inline const uint16_t* exact_q_of(const PackedWeight& w, int64_t p) { return w.exact_q + p * w.K * 4; }
+inline const c10::Half* exact_sm_of(const PackedWeight& w, int64_t p) {
+  return w.exact_sm + p * (w.K / w.exact_group) * 2 * NR;
+}
+
+// dense_panels for tall_runs: x packed (pack_tiles), one panel at a time, the next one asked for meanwhile.
+template <typename X>
+void exact_tall_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1) {
+  const int64_t M = in.M, N = w.N, K = w.K, split = tall_split(M);
+  TORCH_CHECK(in.direct == nullptr && !in.int8, "tall tiles read x packed");
+  float c[24 * NR];
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint16_t* next = exact_q_of(w, std::min(p + 1, p1 - 1));
+    for (int64_t i = 0; i < M; i = i == 0 ? split : M) {  // rows [0, split), then [split, M)
+      const int64_t rows = i == 0 ? split : M - split;
+      exact_tall(rows, in.xp.data() + i * K, K, exact_q_of(w, p), exact_sm_of(w, p), next, w.exact_group, c);
+      store_tile(c, rows, std::min(NR, N - p * NR), w.bias, p * NR, y + i * N + p * NR, N);
+    }
+  }
+}
 // Where panel p's bytes start (exact: its int4 panel, K * 8 bytes).
 inline const char* panel_bytes(const PackedWeight& w, int64_t p, bool exact, int64_t elem) {
   return exact ? reinterpret_cast<const char*>(w.exact_q + p * w.K * 4)
@@ -265,6 +292,7 @@ void dense_panels_zmm(const PackedWeight& w, const GemmInput& in, X* y, int64_t 
   const int64_t M = in.M, N = w.N, K = w.K;
   // fp32 panels with an exact int4 form are widened from it at decode rows (cpu_exact_int4.cpp): same values
   const bool exact = std::is_same_v<W, float> && runs_exact_int4(w, M);
+  if (std::is_same_v<W, float> && tall_runs(w, M)) return exact_tall_panels(w, in, y, p0, p1);
   // One tile of rows: each weight widened in registers and used at once (exact_tile); more: widened once into wbuf.
   const bool fused = exact && M <= FUSED_ROWS;
   const bool widen = !std::is_same_v<W, float> || (exact && !fused);
@@ -336,6 +364,24 @@ inline void store_silu_mul(const float* g, const float* u, int64_t rows, const f
   }
 }
 
+// silu_mul_panels_zmm for tall_runs: gate panel p's tile, then up's, then their product (exact_tall_panels).
+template <typename X>
+void exact_tall_silu(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1) {
+  const int64_t M = in.M, I = w.N / 2, half = I / NR, K = w.K, G = w.exact_group, split = tall_split(M);
+  TORCH_CHECK(in.direct == nullptr && !in.int8, "tall tiles read x packed");
+  float g[24 * NR], u[24 * NR];
+  for (int64_t p = p0; p < p1; ++p) {
+    for (int64_t i = 0; i < M; i = i == 0 ? split : M) {  // rows [0, split), then [split, M)
+      const int64_t rows = i == 0 ? split : M - split;
+      const float* a = in.xp.data() + i * K;
+      exact_tall(rows, a, K, exact_q_of(w, p), exact_sm_of(w, p), exact_q_of(w, half + p), G, g);
+      exact_tall(rows, a, K, exact_q_of(w, half + p), exact_sm_of(w, half + p), exact_q_of(w, std::min(p + 1, p1 - 1)),
+                 G, u);
+      store_silu_mul(g, u, rows, w.bias, p * NR, (half + p) * NR, y + i * I + p * NR, I);
+    }
+  }
+}
+
 // y[M, I] = silu(x Wg^T + bg) * (x Wu^T + bu) for w = [gate; up] (N = 2 I, I % 16 == 0), gate panels [p0, p1):
 // gate panels p, p + 1 and up's p, p + 1 share one tile, so the [M, 2 I] product is neither written nor read back
 // by a silu pass (which ran ~5% of a prompt's step, scalar exp).
@@ -344,6 +390,7 @@ void silu_mul_panels_zmm(const PackedWeight& w, const GemmInput& in, X* y, int64
                          std::vector<float>& wbuf) {
   const int64_t M = in.M, I = w.N / 2, K = w.K, half = I / NR, ps = K * NR;
   const bool exact = std::is_same_v<W, float> && runs_exact_int4(w, M);  // as in dense_panels_zmm
+  if (std::is_same_v<W, float> && tall_runs(w, M)) return exact_tall_silu(w, in, y, p0, p1);
   const bool fused = exact && M <= FUSED_ROWS;
   const bool widen = !std::is_same_v<W, float> || (exact && !fused);
   const int64_t pb = exact ? K * 8 : ps * int64_t(sizeof(W));
@@ -1142,7 +1189,12 @@ void gemm_input_resize(const PackedWeight& w, int64_t M, GemmInput& in, const fl
   if (w.vnni) return vnni_input_resize(w, M, in);
   const int64_t K = w.K;
   in.M = M;
-  in.direct = fp32_x != nullptr && zmm_tiles_run(w, M) ? fp32_x : nullptr;
+#ifdef PC_AVX512
+  const bool tall = tall_runs(w, M);  // its tiles read x packed
+#else
+  const bool tall = false;
+#endif
+  in.direct = fp32_x != nullptr && zmm_tiles_run(w, M) && !tall ? fp32_x : nullptr;
   if (in.direct) {
     in.int8 = false;
     return;

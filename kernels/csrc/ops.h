@@ -68,6 +68,9 @@ torch::Tensor huge_page_buffer(int64_t nbytes);
 // cpu_exact_int4.cpp: fp32 panels [P, K, 16] that are exactly 4-bit per group of group_size inputs (fp16 scale and
 // min) as int4 panels [P, K / 4, 16] (int16: a column's 4 codes of a quad, one a nibble) and scale/min [P, K / group_size, 2, 16] fp16; undefined tensors if any value is not
 std::tuple<torch::Tensor, torch::Tensor> exact_int4_panels(torch::Tensor packed, int64_t group_size);
+// Rows x one panel of such a weight, x packed by pack_tiles (cpu_exact_int4.cpp; cpu_gemm.cpp's tall tiles).
+void exact_tall(int64_t rows, const float* a, int64_t K, const uint16_t* q, const c10::Half* sm, const uint16_t* next_q,
+                int64_t G, float* c);
 
 // cpu_greedy_head.cpp: the argmax of x W^T as the fp32 panels give it, from int8 codes of W and a few exact columns
 bool greedy_head_supported();
