@@ -44,6 +44,8 @@ class EngineConfig:
     # recovered exactly), 64 or 128 for fewer scale bytes (linears whose width they do not divide stay 16-bit)
     quantization_group_size: int = 32
     pack_weights: bool = True  # CPU: linears run over weights packed once at load (pagedcore/packed_linear.py)
+    # CPU: freed step activations stay in the C heap, not faulted in again each step (glibc; pagedcore/heap_tuning.py)
+    tune_heap: bool = True
     # CPU: decode steps of Llama-family models run the whole decoder stack as one C++ call (pagedcore/decode_stack.py)
     decode_stack: bool = True
     # Capture the model forward with torch.compile (pagedcore/capture.py); eager if it fails.

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedcore import fused_norms, fused_projections, huge_pages, lean_layers, packed_linear
+from pagedcore import fused_norms, fused_projections, heap_tuning, huge_pages, lean_layers, packed_linear
 from pagedcore.attention import hf_glue
 from pagedcore.attention.backend import AttentionMetadata
 from pagedcore.config import EngineConfig
@@ -77,6 +77,8 @@ class ModelRunner:
         self.num_cpu_blocks = self._num_cpu_blocks()
         self.cpu_kv_caches = self._allocate_kv_cache(self.num_cpu_blocks, torch.device("cpu"))
         hf_glue.install(model)
+        if config.tune_heap and device.type == "cpu":
+            heap_tuning.install()
         fused_norms.install(model, device)
         lean_layers.install(model, device)
         if config.pack_weights:
