@@ -16,8 +16,8 @@ fp32 weights that are exactly 4-bit per group of 32 (each value fma(q, d, m), q 
 a GGUF Q4_1 checkpoint such as the bundled model de-quantizes to) are found when the stack is built
 (kernels/csrc/cpu_exact_int4.cpp) and kept as int4 panels beside the fp32 ones: decode steps of up to 32 rows widen
 them back to the same fp32 values in registers (6-row tiles to 12 rows, then tall tiles of 12-24 rows and one
-panel; past 36, if raised, into a buffer the row tiles share) and run the same FMA chains, reading 5 bits a weight instead of 32, with results bit for bit those of the fp32 panels
-(tests/test_exact_int4.py).
+panel; past 36, if raised, into a buffer the row tiles share) and run the same FMA chains, reading 5 bits a weight
+instead of 32, with results bit for bit those of the fp32 panels (tests/test_exact_int4.py).
 
 On CPUs with AMX tiles bf16 weights are in VNNI pairs (vnni_layout.py) and the stack runs them through AMX
 tiles in its region, as it runs the panels. With the pairs off there, from onednn_linear.ROWS rows it runs each

@@ -240,10 +240,14 @@ struct ExactPanels {
   const c10::Half* sm[4];
   int64_t ahead;
 };
+inline const uint16_t* exact_q_of(const PackedWeight& w, int64_t p) { return w.exact_q + p * w.K * 4; }
+inline const c10::Half* exact_sm_of(const PackedWeight& w, int64_t p) {
+  return w.exact_sm + p * (w.K / w.exact_group) * 2 * NR;
+}
 inline ExactPanels exact_panels(const PackedWeight& w, std::initializer_list<int64_t> panels, int64_t ahead) {
   ExactPanels e{};
   int i = 0;
-  for (int64_t p : panels) e.q[i] = w.exact_q + p * w.K * 4, e.sm[i++] = w.exact_sm + p * (w.K / w.exact_group) * 2 * NR;
+  for (int64_t p : panels) e.q[i] = exact_q_of(w, p), e.sm[i++] = exact_sm_of(w, p);
   e.ahead = ahead * w.K * 4;
   return e;
 }
@@ -254,34 +258,33 @@ void exact_tile(int64_t rows, int64_t np, const float* a, int64_t ka, int64_t ra
 // call into a buffer the tiles share.
 constexpr int64_t FUSED_ROWS = 2 * MR;
 constexpr int64_t TALL_ROWS = 36;
-inline bool tall_runs(const PackedWeight& w, int64_t M) {
-  return w.type == at::kFloat && !w.vnni && runs_exact_int4(w, M) && M > FUSED_ROWS && M <= TALL_ROWS;
-}
-// The tall tiles' rows: all M up to 24, else 12 and M - 12 (tiles start on pack_tiles' 6-row tiles).
-inline int64_t tall_split(int64_t M) { return M > 24 ? 12 : M; }
-inline const uint16_t* exact_q_of(const PackedWeight& w, int64_t p) { return w.exact_q + p * w.K * 4; }
-inline const c10::Half* exact_sm_of(const PackedWeight& w, int64_t p) {
-  return w.exact_sm + p * (w.K / w.exact_group) * 2 * NR;
+inline bool tall_runs(const PackedWeight& w, int64_t M) { return runs_exact_int4(w, M) && M > FUSED_ROWS && M <= TALL_ROWS; }
+// f(first row, rows) for each tall tile of M rows: all M up to 24, else 12 and M - 12 (tiles start on pack_tiles'
+// 6-row tiles).
+template <typename F>
+inline void for_each_tall_tile(int64_t M, F&& f) {
+  const int64_t split = M > 24 ? 12 : M;
+  f(int64_t(0), split);
+  if (split < M) f(split, M - split);
 }
 
 // dense_panels for tall_runs: x packed (pack_tiles), one panel at a time, the next one asked for meanwhile.
 template <typename X>
 void exact_tall_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1) {
-  const int64_t M = in.M, N = w.N, K = w.K, split = tall_split(M);
+  const int64_t N = w.N, K = w.K;
   TORCH_CHECK(in.direct == nullptr && !in.int8, "tall tiles read x packed");
   float c[24 * NR];
   for (int64_t p = p0; p < p1; ++p) {
     const uint16_t* next = exact_q_of(w, std::min(p + 1, p1 - 1));
-    for (int64_t i = 0; i < M; i = i == 0 ? split : M) {  // rows [0, split), then [split, M)
-      const int64_t rows = i == 0 ? split : M - split;
+    for_each_tall_tile(in.M, [&](int64_t i, int64_t rows) {
       exact_tall(rows, in.xp.data() + i * K, K, exact_q_of(w, p), exact_sm_of(w, p), next, w.exact_group, c);
       store_tile(c, rows, std::min(NR, N - p * NR), w.bias, p * NR, y + i * N + p * NR, N);
-    }
+    });
   }
 }
 // Where panel p's bytes start (exact: its int4 panel, K * 8 bytes).
 inline const char* panel_bytes(const PackedWeight& w, int64_t p, bool exact, int64_t elem) {
-  return exact ? reinterpret_cast<const char*>(w.exact_q + p * w.K * 4)
+  return exact ? reinterpret_cast<const char*>(exact_q_of(w, p))
                : static_cast<const char*>(w.w) + p * w.K * NR * elem;
 }
 
@@ -367,18 +370,17 @@ inline void store_silu_mul(const float* g, const float* u, int64_t rows, const f
 // silu_mul_panels_zmm for tall_runs: gate panel p's tile, then up's, then their product (exact_tall_panels).
 template <typename X>
 void exact_tall_silu(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1) {
-  const int64_t M = in.M, I = w.N / 2, half = I / NR, K = w.K, G = w.exact_group, split = tall_split(M);
+  const int64_t I = w.N / 2, half = I / NR, K = w.K, G = w.exact_group;
   TORCH_CHECK(in.direct == nullptr && !in.int8, "tall tiles read x packed");
   float g[24 * NR], u[24 * NR];
   for (int64_t p = p0; p < p1; ++p) {
-    for (int64_t i = 0; i < M; i = i == 0 ? split : M) {  // rows [0, split), then [split, M)
-      const int64_t rows = i == 0 ? split : M - split;
+    for_each_tall_tile(in.M, [&](int64_t i, int64_t rows) {
       const float* a = in.xp.data() + i * K;
       exact_tall(rows, a, K, exact_q_of(w, p), exact_sm_of(w, p), exact_q_of(w, half + p), G, g);
       exact_tall(rows, a, K, exact_q_of(w, half + p), exact_sm_of(w, half + p), exact_q_of(w, std::min(p + 1, p1 - 1)),
                  G, u);
       store_silu_mul(g, u, rows, w.bias, p * NR, (half + p) * NR, y + i * I + p * NR, I);
-    }
+    });
   }
 }
 
@@ -601,8 +603,8 @@ void widen_int4(const uint8_t* q, const sm_t<S>* sm, int64_t K, int64_t G, float
 // index's low 4 bits, turns it into the float q from a table: 3 instructions per 16 weights (shift, permute, fma).
 void widen_exact_int4(const PackedWeight& w, int64_t p, float* buf) {
   const int64_t K = w.K, G = w.exact_group;
-  const uint16_t* q = w.exact_q + p * K * 4;
-  const c10::Half* sm = w.exact_sm + p * (K / G) * 2 * NR;
+  const uint16_t* q = exact_q_of(w, p);
+  const c10::Half* sm = exact_sm_of(w, p);
   const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t g = 0; g < K / G; ++g) {
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + g * 2 * NR)));
