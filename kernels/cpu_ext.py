@@ -52,8 +52,22 @@ def _name() -> str:
     digest = hashlib.sha256()
     for path in [*SOURCES, *sorted(CSRC.glob("*.h"))]:
         digest.update(path.read_bytes())
-    digest.update(" ".join(CFLAGS).encode() + torch.__version__.encode())
+    digest.update(" ".join(CFLAGS).encode() + torch.__version__.encode() + _cpu_identity())
     return f"pagedcore_cpu_ops_{digest.hexdigest()[:12]}"
+
+
+def _cpu_identity() -> bytes:
+    """What -march=native compiles for: a cache shared by machines with other CPUs (a home directory on
+    several hosts) must not hand one CPU's build to another (an AVX512-BF16 build dies of SIGILL elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+
+        return platform.processor().encode()
+    first = text.split("\n\n", 1)[0]
+    keep = ("vendor_id", "cpu family", "model\t", "flags")
+    return "\n".join(line for line in first.splitlines() if line.startswith(keep)).encode()
 
 
 def _build_dir(name: str) -> Path:

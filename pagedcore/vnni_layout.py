@@ -1,13 +1,14 @@
-"""bf16 linears in the VNNI pair layout where AMX tiles run (kernels/csrc/cpu_gemm_vnni.cpp).
+"""bf16 linears in the VNNI pair layout where AMX tiles or AVX512-BF16 run (kernels/csrc/cpu_gemm_vnni.cpp).
 
 The 16-column panels (packed_linear.py) widen bf16 to fp32 for FMA: ~0.2 TFLOP/s on 2 cores, where AMX
-multiplies bf16 tiles at 10-15x that. The pair layout is an AMX weight tile as is and, per input pair, one
+multiplies bf16 tiles at 10-15x that, and AVX512-BF16's vdpbf16ps (AMD Zen 4) at 2x (0.38-0.42 against 0.18-0.20
+TFLOP/s at 512 rows, `bench linears`). The pair layout is an AMX weight tile as is and, per input pair, one
 64-byte row for AVX512-BF16's vdpbf16ps: one copy serves every row count, from a decode row (which streams it)
 to a prefill (which multiplies in tiles), through the same op and inside the decode stack. Weights are packed
 into it at load, in place of the panels, where in_features is a multiple of 32 (an AMX tile's depth).
 
-`PAGEDCORE_VNNI`: "auto" (where AMX runs), "on" (any CPU: the op runs a scalar loop over the same layout
-without AMX, so tests cover it everywhere), "off".
+`PAGEDCORE_VNNI`: "auto" (where AMX or AVX512-BF16 runs), "on" (any CPU: the op runs a scalar loop over the
+same layout where neither does, so tests cover it everywhere), "off".
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ SETTING = _setting(os.environ.get("PAGEDCORE_VNNI", "auto"))
 
 
 def enabled(ext) -> bool:
-    """Whether bf16 weights are packed in pairs: forced, or AMX runs here."""
-    return SETTING == "on" or (SETTING == "auto" and ext is not None and ext.vnni_amx())
+    """Whether bf16 weights are packed in pairs: forced, or AMX or AVX512-BF16's vdpbf16ps runs here."""
+    return SETTING == "on" or (SETTING == "auto" and ext is not None and (ext.vnni_amx() or ext.vnni_dpbf16()))
 
 
 def applies(ext, weight: torch.Tensor) -> bool:

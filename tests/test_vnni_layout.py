@@ -1,6 +1,6 @@
 """bf16 linears over weights in VNNI pairs (pagedcore/vnni_layout.py, kernels/csrc/cpu_gemm_vnni.cpp): AMX tiles
-where the CPU has them (ext.vnni_amx()), else the scalar loop over the same layout, so these hold on any CI
-machine."""
+where the CPU has them (ext.vnni_amx()), else AVX512-BF16's vdpbf16ps tiles (ext.vnni_dpbf16()), else the scalar
+loop over the same layout, so these hold on any CI machine."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 from linear_helpers import check_leading_dims_strided_input_and_nan
 from pagedcore import LLM, SamplingParams, fused_projections, onednn_linear, packed_linear, vnni_layout
 
-ROW_COUNTS = [1, 2, 3, 15, 16, 17, 31, 32, 33, 64, 100, 200]  # 16-row tiles, 32-row blocks and their edges
+# AMX: 16-row tiles, 32-row blocks; vdpbf16ps: 6-row tiles, 96-row blocks; and their edges
+ROW_COUNTS = [1, 2, 3, 5, 6, 7, 15, 16, 17, 31, 32, 33, 64, 96, 97, 100, 200]
 
 
 @pytest.fixture
@@ -73,7 +74,7 @@ def test_which_weights_take_the_pairs(ext, pairs, monkeypatch):
     monkeypatch.setattr(vnni_layout, "SETTING", "off")
     assert not vnni_layout.applies(ext, torch.zeros(8, 64, dtype=torch.bfloat16))
     monkeypatch.setattr(vnni_layout, "SETTING", "auto")
-    assert vnni_layout.applies(ext, torch.zeros(8, 64, dtype=torch.bfloat16)) == ext.vnni_amx()
+    assert vnni_layout.applies(ext, torch.zeros(8, 64, dtype=torch.bfloat16)) == (ext.vnni_amx() or ext.vnni_dpbf16())
 
 
 def test_bad_shapes_and_settings_are_clear_errors(ext):

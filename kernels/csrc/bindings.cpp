@@ -40,6 +40,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight_vnni", &pack_linear_weight_vnni,
         "bf16 W [N, K] (K a multiple of 32) -> VNNI pairs [ceil(N/16), K/2, 32] for packed_linear (AMX tiles)");
   m.def("vnni_amx", &vnni_amx, "whether AMX tiles run here (the CPU has them and the OS granted their state)");
+  m.def("vnni_dpbf16", &vnni_dpbf16, "whether AVX512-BF16 vdpbf16ps tiles run the VNNI pairs here (no AMX)");
   m.def("pack_int4_weight", &pack_int4_weight,
         "q uint8 [N, K], scale/min (or scale/zero point) [N, K/G] -> int4 panels, scale/min panels");
   m.def("packed_linear_int4", &packed_linear_int4,

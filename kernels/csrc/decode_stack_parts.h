@@ -90,6 +90,7 @@ void vnni_input_fill(const PackedWeight& w, at::ScalarType x_type, const void* x
                      int64_t r1);
 void vnni_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0, int64_t p1);
 bool vnni_amx();  // whether AMX tiles run here (cpuid, and the OS granted the tile state)
+bool vnni_dpbf16();  // whether the AVX512-BF16 tiles were built (-march=native on a CPU with them)
 // y[:, panels p0..p1) for all M rows; y [M, N] in x_type. wbuf: the thread's scratch.
 void gemm_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0, int64_t p1,
                  std::vector<float>& wbuf);

@@ -50,6 +50,7 @@ torch::Tensor packed_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int6
 // cpu_gemm_vnni.cpp
 torch::Tensor pack_linear_weight_vnni(torch::Tensor weight);
 bool vnni_amx();
+bool vnni_dpbf16();
 std::tuple<torch::Tensor, torch::Tensor> pack_int4_weight(torch::Tensor q, torch::Tensor scale, torch::Tensor min,
                                                          int64_t group_size);
 torch::Tensor packed_linear_int4(torch::Tensor x, torch::Tensor q, torch::Tensor sm, int64_t out_features,

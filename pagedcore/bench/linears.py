@@ -4,7 +4,8 @@ engine runs it, against the machine's read bandwidth and matmul peak measured in
 Small M is bound by reading the weight: the row reports GB/s of weight read against the bandwidth.
 Large M is bound by arithmetic: TFLOP/s against the matmul peak. Each shape cycles through enough
 copies of its weight (`--copies-mib`, 512: some CPUs here have hundreds of MB of L3) that every call reads it
-from memory, as a decode step over 30 layers does. Rows: `packed` (pagedcore's pre-packed kernel),
+from memory, as a decode step over 30 layers does. Rows: `packed` (pagedcore's pre-packed kernel, in the layout
+the engine packs: bf16 in VNNI pairs where AMX or AVX512-BF16 runs, else 16-column panels),
 `onednn` (oneDNN's pre-packed matmul, bf16: what the engine runs from onednn_linear.ROWS rows on AMX CPUs;
 the targets take whichever the engine runs at each M), `F.linear`
 (torch, what transformers runs; skipped where it would take minutes), `int4` (opt-in 4-bit weights, as
@@ -69,7 +70,7 @@ def _time(fn, calls: int, seconds: float) -> float:
 
 
 def bench_shape(name, n, k, ms, dtype, impls, bw_gbs, peak_tflops, seconds, repeats=1, copies_mib=512) -> list[Row]:
-    from pagedcore import onednn_linear
+    from pagedcore import onednn_linear, vnni_layout
     from pagedcore.kernels import cpu_ext
     from pagedcore.quantization import Int4Linear
 
@@ -79,7 +80,9 @@ def bench_shape(name, n, k, ms, dtype, impls, bw_gbs, peak_tflops, seconds, repe
     weights = [(torch.randn(n, k) * 0.02).to(dtype) for _ in range(copies)]
     runners = {}
     if "packed" in impls and ext is not None:
-        packed = [ext.pack_linear_weight(w) for w in weights]
+        # as the engine packs them (packed_linear.py): bf16 in VNNI pairs where AMX or AVX512-BF16 runs
+        packed = [ext.pack_linear_weight_vnni(w) if vnni_layout.applies(ext, w) else ext.pack_linear_weight(w)
+                  for w in weights]
         runners["packed"] = (lambda x, j: ext.packed_linear(x, packed[j % copies], n), n * k * elem)
     if "onednn" in impls and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
         reordered = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
@@ -165,11 +168,14 @@ def main(args) -> int:
     for r in rows:
         print(f"{r.shape:18s} {r.n:6d} {r.k:5d} {r.m:4d} {r.impl:9s} {r.us:10.1f} {r.gbs:7.1f} {r.bw_frac:6.0%} "
               f"{r.tflops * 1e3:8.1f} {r.peak_frac:7.0%}")
-    from pagedcore import onednn_linear
+    from pagedcore import onednn_linear, vnni_layout
+    from pagedcore.kernels import cpu_ext
 
+    pairs = dtype == torch.bfloat16 and vnni_layout.enabled(cpu_ext.load())
+    onednn_rows = onednn_linear.min_rows(pairs)  # beside the pairs oneDNN serves only prefill-sized inputs
     report = {"bench": "linears", "dtype": args.dtype, "threads": torch.get_num_threads(), "read_gbs": bw,
-              "matmul_tflops": peak, "onednn_rows": onednn_linear.ROWS, "rows": [asdict(r) for r in rows],
-              "targets": targets(rows, dtype, onednn_linear.ROWS)}
+              "matmul_tflops": peak, "onednn_rows": onednn_rows, "vnni_pairs": pairs, "rows": [asdict(r) for r in rows],
+              "targets": targets(rows, dtype, onednn_rows)}
     for t in report["targets"]:
         print(f"target {t['name']}: {t['value']} (want {t['target']}): {'met' if t['met'] else 'NOT met'}")
     write_json(report, args.json)
