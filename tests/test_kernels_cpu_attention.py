@@ -123,6 +123,42 @@ def test_cpu_decode_kernel_splits_long_sequences(dtype, window, softcap):
     assert rel_err(split, ref) < tol and rel_err(whole, ref) < tol and rel_err(split, whole) < tol
 
 
+def _decode_rows_of(b, rows: list[int]):
+    """The decode step of batch `b` restricted to sequences `rows` (same caches, block tables and queries)."""
+    import dataclasses
+
+    md = b.metadata
+    sl = [md.seq_lens_cpu[i] for i in rows]
+    sub = dataclasses.replace(
+        md, num_tokens=len(rows), query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(sl, dtype=torch.int32), block_table=md.block_table[rows].contiguous(),
+        slot_mapping=md.slot_mapping[rows], max_query_len=1, max_seq_len=max(sl),
+        query_start_loc_cpu=list(range(len(rows) + 1)), seq_lens_cpu=sl)
+    return b.query[rows].contiguous(), sub
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_decode_kernel_rows_do_not_depend_on_the_batch(dtype):
+    """A sequence's attention output is the same bits alone and beside any others: how a long sequence is split
+    over threads depends on its own length only (a split by a share of the step's positions moved its logprobs
+    by ulps as the batch thinned)."""
+    _ext_or_skip()
+    sl = [700, 300, 257, 1200, 40] + [300] * 11
+    b = make_paged_batch([1] * len(sl), sl, 9, 3, 64, 16, dtype, "cpu", seed=5)
+    b.write_new_tokens()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        full = cpu_paged_attention(b.query, b.k_cache, b.v_cache, b.metadata, 0.125)
+        for rows in ([0], [3], [0, 3], [2, 4], [1, 0]):
+            q, md = _decode_rows_of(b, rows)
+            got = cpu_paged_attention(q, b.k_cache, b.v_cache, md, 0.125)
+            assert torch.equal(got, full[rows]), rows
+    finally:
+        torch.set_num_threads(threads)
+    assert not full.isnan().any()
+
+
 def test_cpu_decode_kernel_query_dtype_differs_from_cache():
     """fp32 queries over a bf16 cache (and bf16 over fp32): the q load and the output store convert."""
     _ext_or_skip()
