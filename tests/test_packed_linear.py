@@ -331,15 +331,19 @@ def test_fp32_rows_do_not_depend_on_the_batch(ext):
         assert torch.equal(many[192:200], alone), (n, k)
 
 
-@pytest.mark.parametrize("wdtype,xdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
-                                           (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("wdtype,xdtype,layout", [(torch.float32, torch.float32, "panels"),
+                                                  (torch.bfloat16, torch.float32, "panels"),
+                                                  (torch.bfloat16, torch.bfloat16, "panels"),
+                                                  (torch.bfloat16, torch.float32, "vnni"),
+                                                  (torch.bfloat16, torch.bfloat16, "vnni")])
 @pytest.mark.parametrize("inter,k", [(96, 64), (48, 32), (1536, 576)])
-def test_silu_mul_equals_the_product_then_silu_and_mul(ext, wdtype, xdtype, inter, k):
+def test_silu_mul_equals_the_product_then_silu_and_mul(ext, wdtype, xdtype, layout, inter, k):
     """silu(x W_gate^T + b) * (x W_up^T + b) in the GEMM's tiles (the [M, 2I] product never written) against the
-    fused product then the separate silu_and_mul op; 48: an odd number of gate panels (a last single pair)."""
+    fused product then the separate silu_and_mul op; 48: an odd number of gate panels (a last single pair). vnni:
+    the VNNI pair layout's tiles (AVX512-BF16; elsewhere the product, then the op)."""
     g = torch.Generator().manual_seed(inter + k)
     w = (torch.randn(2 * inter, k, generator=g) * 0.1).to(wdtype)
-    packed = ext.pack_linear_weight(w)
+    packed = ext.pack_linear_weight(w) if layout == "panels" else ext.pack_linear_weight_vnni(w)
     for m in (1, 5, 13, 100):
         x = torch.randn(m, k, generator=g).to(xdtype)
         for bias in (None, torch.randn(2 * inter, generator=g)):
@@ -361,6 +365,8 @@ def test_silu_mul_nan_stays_in_its_row_and_bad_widths_raise(ext):
     x = torch.randn(5, 64)
     x[2, 3] = float("nan")
     y = ext.packed_linear_silu_mul(x, packed, 192)
+    assert y[2].isnan().all() and not y[[0, 1, 3, 4]].isnan().any()
+    y = ext.packed_linear_silu_mul(x.bfloat16(), ext.pack_linear_weight_vnni(w.bfloat16()), 192)
     assert y[2].isnan().all() and not y[[0, 1, 3, 4]].isnan().any()
     with pytest.raises(RuntimeError, match="out_features"):
         ext.packed_linear_silu_mul(x, packed, 160)  # not all of the packed weight

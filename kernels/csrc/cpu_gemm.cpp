@@ -344,29 +344,6 @@ void dense_panels_zmm(const PackedWeight& w, const GemmInput& in, X* y, int64_t 
 #endif
 
 #ifdef PC_AVX512
-// out[r, 0:16) = silu(g[r] + bias_g) * (u[r] + bias_u) from two computed tiles (row stride 16), rounded where the
-// unfused ops round (to X after the matmul, after silu, after the product: silu_and_mul_row).
-template <typename X>
-inline void store_silu_mul(const float* g, const float* u, int64_t rows, const float* bias, int64_t ng, int64_t nu,
-                           X* out, int64_t ldo) {
-  const __m512 bg = bias ? _mm512_loadu_ps(bias + ng) : _mm512_setzero_ps();
-  const __m512 bu = bias ? _mm512_loadu_ps(bias + nu) : _mm512_setzero_ps();
-  for (int64_t r = 0; r < rows; ++r) {
-    __m512 gv = _mm512_add_ps(_mm512_loadu_ps(g + r * NR), bg), uv = _mm512_add_ps(_mm512_loadu_ps(u + r * NR), bu);
-    if constexpr (std::is_same_v<X, float>) {
-      _mm512_storeu_ps(out + r * ldo, _mm512_mul_ps(zmm::silu_ps(gv), uv));
-    } else {
-      alignas(64) float t[NR], v[NR];
-      _mm512_store_ps(t, gv);
-      _mm512_store_ps(v, uv);
-      for (int64_t j = 0; j < NR; ++j) t[j] = static_cast<float>(static_cast<X>(t[j]));
-      _mm512_store_ps(t, zmm::silu_ps(_mm512_load_ps(t)));
-      for (int64_t j = 0; j < NR; ++j)
-        out[r * ldo + j] = static_cast<X>(static_cast<float>(static_cast<X>(t[j])) * static_cast<float>(static_cast<X>(v[j])));
-    }
-  }
-}
-
 // silu_mul_panels_zmm for tall_runs: gate panel p's tile, then up's, then their product (exact_tall_panels).
 template <typename X>
 void exact_tall_silu(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1) {
@@ -379,7 +356,7 @@ void exact_tall_silu(const PackedWeight& w, const GemmInput& in, X* y, int64_t p
       exact_tall(rows, a, K, exact_q_of(w, p), exact_sm_of(w, p), exact_q_of(w, half + p), G, g);
       exact_tall(rows, a, K, exact_q_of(w, half + p), exact_sm_of(w, half + p), exact_q_of(w, std::min(p + 1, p1 - 1)),
                  G, u);
-      store_silu_mul(g, u, rows, w.bias, p * NR, (half + p) * NR, y + i * I + p * NR, I);
+      zmm::store_silu_mul(g, u, rows, w.bias, p * NR, (half + p) * NR, y + i * I + p * NR, I);
     });
   }
 }
@@ -441,8 +418,8 @@ void silu_mul_panels_zmm(const PackedWeight& w, const GemmInput& in, X* y, int64
           tile_zmm(rows, 2 * pairs, a + i * K, in.direct ? 1 : rows, in.direct ? K : 1, b, pairs == 2 ? ps : hs, hs,
                    K, c, pf, first < next_lines ? spread.n : 0, spread.every);
         for (int64_t q = 0; q < pairs; ++q)
-          store_silu_mul(c + q * MR * NR, c + (pairs + q) * MR * NR, rows, w.bias, (p + q) * NR, (half + p + q) * NR,
-                         y + i * I + (p + q) * NR, I);
+          zmm::store_silu_mul(c + q * MR * NR, c + (pairs + q) * MR * NR, rows, w.bias, (p + q) * NR,
+                              (half + p + q) * NR, y + i * I + (p + q) * NR, I);
       }
     }
   }
@@ -1230,7 +1207,9 @@ void gemm_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_ty
   panels_of(w, in, static_cast<c10::BFloat16*>(y), p0, p1, wbuf);
 }
 
-bool silu_mul_runs(const PackedWeight& w, int64_t M) { return zmm_tiles_run(w, M) && w.N % (2 * NR) == 0; }
+bool silu_mul_runs(const PackedWeight& w, int64_t M) {
+  return (zmm_tiles_run(w, M) || (w.vnni && vnni_silu_mul_runs())) && w.N % (2 * NR) == 0;
+}
 
 int64_t silu_mul_chunks(const PackedWeight& w) { return (w.N / (2 * NR) + 1) / 2; }
 
@@ -1239,6 +1218,7 @@ void silu_mul_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType 
 #ifdef PC_AVX512
   const int64_t p0 = 2 * c0, p1 = std::min(w.N / (2 * NR), 2 * c1);
   if (p0 >= p1) return;
+  if (w.vnni) return vnni_silu_mul_panels(w, in, x_type, y, p0, p1);
   TORCH_CHECK(x_type == at::kFloat || x_type == at::kBFloat16, "x: float32 or bfloat16");
   if (x_type == at::kFloat) {
     if (w.type == at::kFloat) return silu_mul_panels_zmm<float, float>(w, in, static_cast<float*>(y), p0, p1, wbuf);

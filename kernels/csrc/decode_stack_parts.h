@@ -91,6 +91,10 @@ void vnni_input_fill(const PackedWeight& w, at::ScalarType x_type, const void* x
 void vnni_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0, int64_t p1);
 bool vnni_amx();  // whether AMX tiles run here (cpuid, and the OS granted the tile state)
 bool vnni_dpbf16();  // whether the AVX512-BF16 tiles were built (-march=native on a CPU with them)
+// silu_mul_panels over VNNI pairs (gate panels [p0, p1)): where the AVX512-BF16 tiles run and AMX does not.
+bool vnni_silu_mul_runs();
+void vnni_silu_mul_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0,
+                          int64_t p1);
 // y[:, panels p0..p1) for all M rows; y [M, N] in x_type. wbuf: the thread's scratch.
 void gemm_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0, int64_t p1,
                  std::vector<float>& wbuf);

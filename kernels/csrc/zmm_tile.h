@@ -5,6 +5,7 @@
 // up half's offset). Results go to c as P tiles of [6, 16].
 #pragma once
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -114,6 +115,29 @@ inline __m512 exp_ps(__m512 x) {
 // silu(x) = x / (1 + exp(-x)); NaN stays NaN (x itself is in the quotient).
 inline __m512 silu_ps(__m512 x) {
   return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+
+// out[r, 0:16) = silu(g[r] + bias_g) * (u[r] + bias_u) from two computed tiles (row stride 16), rounded where the
+// unfused ops round (to X after the matmul, after silu, after the product: silu_and_mul_row).
+template <typename X>
+inline void store_silu_mul(const float* g, const float* u, int64_t rows, const float* bias, int64_t ng, int64_t nu,
+                           X* out, int64_t ldo) {
+  const __m512 bg = bias ? _mm512_loadu_ps(bias + ng) : _mm512_setzero_ps();
+  const __m512 bu = bias ? _mm512_loadu_ps(bias + nu) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512 gv = _mm512_add_ps(_mm512_loadu_ps(g + r * NR), bg), uv = _mm512_add_ps(_mm512_loadu_ps(u + r * NR), bu);
+    if constexpr (std::is_same_v<X, float>) {
+      _mm512_storeu_ps(out + r * ldo, _mm512_mul_ps(zmm::silu_ps(gv), uv));
+    } else {
+      alignas(64) float t[NR], v[NR];
+      _mm512_store_ps(t, gv);
+      _mm512_store_ps(v, uv);
+      for (int64_t j = 0; j < NR; ++j) t[j] = static_cast<float>(static_cast<X>(t[j]));
+      _mm512_store_ps(t, zmm::silu_ps(_mm512_load_ps(t)));
+      for (int64_t j = 0; j < NR; ++j)
+        out[r * ldo + j] = static_cast<X>(static_cast<float>(static_cast<X>(t[j])) * static_cast<float>(static_cast<X>(v[j])));
+    }
+  }
 }
 
 }  // namespace zmm
