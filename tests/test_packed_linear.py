@@ -344,7 +344,7 @@ def test_silu_mul_equals_the_product_then_silu_and_mul(ext, wdtype, xdtype, layo
     g = torch.Generator().manual_seed(inter + k)
     w = (torch.randn(2 * inter, k, generator=g) * 0.1).to(wdtype)
     packed = ext.pack_linear_weight(w) if layout == "panels" else ext.pack_linear_weight_vnni(w)
-    for m in (1, 5, 13, 100):
+    for m in (1, 5, 13, 100, 200):  # 200: threads split the rows, each over every panel
         x = torch.randn(m, k, generator=g).to(xdtype)
         for bias in (None, torch.randn(2 * inter, generator=g)):
             gate_up = ext.packed_linear(x, packed, 2 * inter, bias)

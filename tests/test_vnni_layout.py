@@ -46,6 +46,20 @@ def test_op_is_fp32_math_rounded_once(ext, m, n, k, bias):
     assert (got.float() - panels.float()).abs().max() <= want.abs().max() * 2 ** -7
 
 
+def test_a_row_is_the_same_bits_in_any_call(ext):
+    """A row's result does not depend on the rows beside it: threads split a prompt's rows (each over every panel)
+    past 192 rows and the panels below, and both give each row the same sums in the same order."""
+    torch.manual_seed(3)
+    w, x = torch.randn(200, 576, dtype=torch.bfloat16), torch.randn(300, 576, dtype=torch.bfloat16)
+    packed = ext.pack_linear_weight_vnni(w)
+    many = ext.packed_linear(x, packed, 200, None)
+    for r0, r1 in ((0, 1), (5, 13), (100, 200), (290, 300)):
+        assert torch.equal(ext.packed_linear(x[r0:r1], packed, 200, None), many[r0:r1])
+    gate_up = ext.pack_linear_weight_vnni(torch.randn(192, 576, dtype=torch.bfloat16))
+    many = ext.packed_linear_silu_mul(x, gate_up, 192, None)
+    assert torch.equal(ext.packed_linear_silu_mul(x[7:19], gate_up, 192, None), many[7:19])
+
+
 def test_fp32_input_is_rounded_to_bf16(ext):
     """An fp32 x meets bf16 tiles rounded to bf16 (to nearest even), the output in fp32."""
     torch.manual_seed(1)

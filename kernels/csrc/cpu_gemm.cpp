@@ -1073,7 +1073,38 @@ void panels_of(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int
 // One linear as a torch op: x prepared over the row tiles, then the panels split between threads
 // (each weight panel read by one thread only). Grain: about 64k multiply-adds per chunk, so a tiny
 // matmul runs inline.
+// A prompt's rows split between threads, each over every panel (from ROW_SPLIT_ROWS rows, x read in place): no
+// thread ends on a short panel group (k/v's 12 panels were 4 + 2 a thread), a q/k/v/o weight (<= 1.3 MB) stays in
+// each core's L2 across row blocks, and each thread's output rows stay in its core's cache for the row-wise ops
+// after (split by panels, half of every row came from the other core). run(part, y_rows) runs one thread's rows.
+template <typename Run>
+bool run_by_rows(const PackedWeight& w, const torch::Tensor& x2, const Run& run) {
+  const int64_t M = x2.size(0);
+#ifdef PC_AVX512
+  const bool fp32 = x2.scalar_type() == at::kFloat && zmm_tiles_run(w, M) && !tall_runs(w, M);
+#else
+  const bool fp32 = false;
+#endif
+  if (M < ROW_SPLIT_ROWS || !(fp32 || vnni_reads_rows_in_place(w, x2.scalar_type()))) return false;
+  at::parallel_for(0, (M + MR - 1) / MR, MC / MR, [&](int64_t t0, int64_t t1) {
+    GemmInput part;
+    part.M = std::min(M, t1 * MR) - t0 * MR;
+    if (fp32)
+      part.direct = x2.data_ptr<float>() + t0 * MR * w.K;
+    else
+      part.xb_rows = static_cast<const c10::BFloat16*>(x2.data_ptr()) + t0 * MR * w.K;
+    run(part, t0 * MR);
+  });
+  return true;
+}
+
 void run_linear(const PackedWeight& w, const torch::Tensor& x2, torch::Tensor& y) {
+  const int64_t row_bytes = w.N * y.element_size();
+  if (run_by_rows(w, x2, [&](const GemmInput& part, int64_t r0) {
+        std::vector<float> wbuf;
+        gemm_panels(w, part, x2.scalar_type(), static_cast<char*>(y.data_ptr()) + r0 * row_bytes, 0, w.panels(), wbuf);
+      }))
+    return;
   // Kept per calling thread: a fresh one zero-filled M x K floats (12 MB for a 2048-row down_proj) on every call,
   // ~7% of a prefill step, before the fill overwrote them.
   // A reference: the parallel_for lambdas below must reach this thread's buffer, not their own thread's.
@@ -1081,20 +1112,6 @@ void run_linear(const PackedWeight& w, const torch::Tensor& x2, torch::Tensor& y
   GemmInput& in = kept;
   gemm_input_resize(w, x2.size(0), in, x2.scalar_type() == at::kFloat ? x2.data_ptr<float>() : nullptr);
   const int64_t M = in.M;
-  if (in.direct && M >= ROW_SPLIT_ROWS) {
-    // A prompt's rows split between threads, each over every panel: no thread ends on a short panel group (k/v's
-    // 12 panels were 4 + 2 a thread), and a q/k/v/o weight (<= 1.3 MB) stays in each core's L2 across row blocks.
-    const int64_t row_bytes = w.N * y.element_size();
-    at::parallel_for(0, (M + MR - 1) / MR, MC / MR, [&](int64_t t0, int64_t t1) {
-      GemmInput part;
-      part.M = std::min(M, t1 * MR) - t0 * MR;
-      part.direct = in.direct + t0 * MR * w.K;
-      std::vector<float> wbuf;
-      gemm_panels(w, part, x2.scalar_type(), static_cast<char*>(y.data_ptr()) + t0 * MR * row_bytes, 0, w.panels(),
-                  wbuf);
-    });
-    return;
-  }
   at::parallel_for(0, gemm_input_tiles(in), grain_for((in.int8 ? 1 : MR) * w.K), [&](int64_t b, int64_t e) {
     gemm_input_fill(w, x2.scalar_type(), x2.data_ptr(), in, b, e);
   });
@@ -1146,6 +1163,13 @@ torch::Tensor run_packed_silu_mul(const torch::Tensor& x, PackedWeight w, const 
   out_sizes.back() = I;
   auto y = torch::empty({M, I}, x.options());
   if (M == 0) return y.view(out_sizes);
+  const int64_t row_bytes = I * y.element_size();
+  if (run_by_rows(w, x2, [&](const GemmInput& part, int64_t r0) {
+        std::vector<float> wbuf;
+        silu_mul_panels(w, part, x2.scalar_type(), static_cast<char*>(y.data_ptr()) + r0 * row_bytes, 0,
+                        silu_mul_chunks(w), wbuf);
+      }))
+    return y.view(out_sizes);
   static thread_local GemmInput kept;  // as run_linear's
   GemmInput& in = kept;
   gemm_input_resize(w, M, in, x2.scalar_type() == at::kFloat ? x2.data_ptr<float>() : nullptr);

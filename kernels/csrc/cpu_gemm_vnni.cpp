@@ -284,7 +284,7 @@ template <typename X>
 void dp_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1) {
   const int64_t K = w.K, N = w.N, M = in.M, ps = K * NR, pairs = K / 2;
   const auto* W = static_cast<const c10::BFloat16*>(w.w);
-  const c10::BFloat16* A = in.xb.data();
+  const c10::BFloat16* A = in.xb_rows != nullptr ? in.xb_rows : in.xb.data();
   alignas(64) float c[DP * DR * NR];
   for (int64_t m0 = 0; m0 < M; m0 += DMC) {
     const int64_t m1 = std::min(M, m0 + DMC);
@@ -311,7 +311,7 @@ template <typename X>
 void dp_silu_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1) {
   const int64_t K = w.K, M = in.M, I = w.N / 2, half = I / NR, ps = K * NR, hs = half * ps, pairs = K / 2;
   const auto* W = static_cast<const c10::BFloat16*>(w.w);
-  const c10::BFloat16* A = in.xb.data();
+  const c10::BFloat16* A = in.xb_rows != nullptr ? in.xb_rows : in.xb.data();
   alignas(64) float c[DP * DR * NR];
   for (int64_t m0 = 0; m0 < M; m0 += DMC) {
     const int64_t m1 = std::min(M, m0 + DMC);
@@ -389,7 +389,11 @@ void vnni_input_resize(const PackedWeight& w, int64_t M, GemmInput& in) {
   in.amx = vnni_amx();
   // AMX reads whole 16-row tiles: rows past M stay zero (their results are never stored).
   const int64_t rows = in.amx ? (M + 15) / 16 * 16 : M;
-  in.xb.assign(rows * w.K, c10::BFloat16(0.f));
+  in.xb_rows = nullptr;
+  if (in.amx)
+    in.xb.assign(rows * w.K, c10::BFloat16(0.f));
+  else  // every row is filled before it is read
+    in.xb.resize(rows * w.K);
 }
 
 void vnni_input_fill(const PackedWeight& w, at::ScalarType x_type, const void* x, GemmInput& in, int64_t r0,
@@ -402,6 +406,10 @@ void vnni_input_fill(const PackedWeight& w, at::ScalarType x_type, const void* x
 }
 
 bool vnni_silu_mul_runs() { return vnni_dpbf16() && !vnni_amx(); }
+
+bool vnni_reads_rows_in_place(const PackedWeight& w, at::ScalarType x_type) {
+  return w.vnni && x_type == at::kBFloat16 && vnni_dpbf16() && !vnni_amx();
+}
 
 void vnni_silu_mul_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0,
                           int64_t p1) {

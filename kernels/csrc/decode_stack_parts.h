@@ -71,6 +71,7 @@ struct GemmInput {
   std::vector<float> xp, d, xs;
   std::vector<int8_t> xq;
   std::vector<c10::BFloat16> xb;  // VNNI weights: x in bf16 rows (whole 16-row tiles where AMX runs)
+  const c10::BFloat16* xb_rows = nullptr;  // VNNI weights without AMX: bf16 x read where it lies (row stride K)
   bool amx = false;
   // fp32 x read where it lies (row stride K) by the AVX-512 tiles, instead of a packed copy in xp: the copy of a
   // 2048-row prompt's x cost ~10% of its matmul (down_proj), for no faster tile.
@@ -91,6 +92,8 @@ void vnni_input_fill(const PackedWeight& w, at::ScalarType x_type, const void* x
 void vnni_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0, int64_t p1);
 bool vnni_amx();  // whether AMX tiles run here (cpuid, and the OS granted the tile state)
 bool vnni_dpbf16();  // whether the AVX512-BF16 tiles were built (-march=native on a CPU with them)
+// Whether the VNNI tiles read an x of this dtype in place (GemmInput::xb_rows): bf16 rows, AVX512-BF16 tiles.
+bool vnni_reads_rows_in_place(const PackedWeight& w, at::ScalarType x_type);
 // silu_mul_panels over VNNI pairs (gate panels [p0, p1)): where the AVX512-BF16 tiles run and AMX does not.
 bool vnni_silu_mul_runs();
 void vnni_silu_mul_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0,
