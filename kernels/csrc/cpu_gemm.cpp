@@ -1070,9 +1070,6 @@ void panels_of(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int
   }
 }
 
-// One linear as a torch op: x prepared over the row tiles, then the panels split between threads
-// (each weight panel read by one thread only). Grain: about 64k multiply-adds per chunk, so a tiny
-// matmul runs inline.
 // A prompt's rows split between threads, each over every panel (from ROW_SPLIT_ROWS rows, x read in place): no
 // thread ends on a short panel group (k/v's 12 panels were 4 + 2 a thread), a q/k/v/o weight (<= 1.3 MB) stays in
 // each core's L2 across row blocks, and each thread's output rows stay in its core's cache for the row-wise ops
@@ -1098,6 +1095,9 @@ bool run_by_rows(const PackedWeight& w, const torch::Tensor& x2, const Run& run)
   return true;
 }
 
+// One linear as a torch op: a prompt's rows split (run_by_rows), or x prepared over the row tiles, then the panels
+// split between threads (each weight panel read by one thread only). Grain: about 64k multiply-adds per chunk, so a
+// tiny matmul runs inline.
 void run_linear(const PackedWeight& w, const torch::Tensor& x2, torch::Tensor& y) {
   const int64_t row_bytes = w.N * y.element_size();
   if (run_by_rows(w, x2, [&](const GemmInput& part, int64_t r0) {

@@ -408,7 +408,7 @@ void vnni_input_fill(const PackedWeight& w, at::ScalarType x_type, const void* x
 bool vnni_silu_mul_runs() { return vnni_dpbf16() && !vnni_amx(); }
 
 bool vnni_reads_rows_in_place(const PackedWeight& w, at::ScalarType x_type) {
-  return w.vnni && x_type == at::kBFloat16 && vnni_dpbf16() && !vnni_amx();
+  return w.vnni && x_type == at::kBFloat16 && vnni_silu_mul_runs();  // the AVX512-BF16 tiles read rows of any count
 }
 
 void vnni_silu_mul_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0,
