@@ -80,12 +80,12 @@ def _ext_or_skip():
         pytest.skip("no C++ toolchain: the torch path is what runs")
 
 
-@pytest.mark.parametrize("heads", [(9, 3), (8, 8), (8, 4), (10, 2), (12, 2), (7, 1)])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 8), (8, 4), (10, 2), (12, 2), (7, 1), (8, 2), (16, 2)])
 @pytest.mark.parametrize("head_dim", [16, 20, 40, 64, 96, 128])
 def test_cpu_decode_kernel_head_shapes(heads, head_dim):
-    """GQA groups that take every register tiling of the C++ kernel (sub-groups of 3, of 2 and 1, whole
-    groups of 1) and head dims of its paths: 64 and 128 compiled as constants, other multiples of 16 at
-    run time, the rest (20, 40) through the scalar path. Lengths cover partial 3- and 4-key tiles."""
+    """GQA groups that take every register tiling of the C++ kernel (sub-groups of 4 on vdpbf16ps, of 3, of 2
+    and 1, whole groups of 1) and head dims of its paths: 64 and 128 compiled as constants, other multiples of 16
+    at run time, the rest (20, 40) through the scalar path. Lengths cover partial 3- and 4-key tiles."""
     _ext_or_skip()
     hq, hkv = heads
     sl = [1, 2, 3, 5, 16, 33, 130]
