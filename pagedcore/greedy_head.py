@@ -7,6 +7,9 @@ twice the fp32 rate through VNNI), bounds their error for any input, and compute
 only the logits the bound cannot rule out: the token is the full logits' argmax, bit for bit. What it costs:
 such requests report no cumulative logprob (`SamplingParams.argmax_only`; vLLM v1's contract); logprobs=0 asks
 for it.
+A bf16 head in VNNI pairs (vnni_layout.py), where the AVX512-BF16 tiles run it, has its own kernel: uint8 x
+codes against int8 W codes (vpdpbusd, twice vdpbf16ps's rate), the candidates' logits as those tiles give and
+round them to bf16; its argmax is the bf16 logits' argmax, bit for bit.
 """
 
 from __future__ import annotations
@@ -16,7 +19,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagedcore import vnni_layout
+
 PANEL = 16
+# x's dims the bf16 head keeps out of its uint8 codes (the largest |x|: LLMs' massive activations). On the bundled
+# model's final hidden states (one dim ~40, the median ~0.4) 16 left ~80 candidate logits a row, 4 left ~750, none
+# half the vocabulary.
+OUTLIER_DIMS = 16
 
 
 @dataclass
@@ -31,25 +40,39 @@ class GreedyHead:
         self.ext, self.head, self.vocab_size = ext, head, vocab_size
         self.forward = head.__dict__.get("forward")  # the packed forward the head had when the codes were made
         panels = head._pagedcore_packed
-        weight = panels.permute(0, 2, 1).reshape(-1, panels.shape[1])[:vocab_size].contiguous()  # fp32: in order
-        self.codes, self.stats = ext.greedy_head_pack(weight)
-        # The exact logits read the weight by rows: a tied input embedding holding the same values serves (no copy).
-        same = embedding is not None and embedding.dtype == torch.float32 and embedding.is_contiguous() \
-            and embedding.shape == weight.shape and torch.equal(embedding, weight)
-        self.weight = embedding if same else weight
+        self.dtype = panels.dtype
+        self.colsum = None
+        self.dims = self.wo = None  # the bf16 head's outlier dims and their weights, kept while they stay the largest
+        if self.dtype == torch.bfloat16:  # VNNI pairs: the exact logits read a copy of their values by rows
+            self.codes, self.stats, self.colsum = ext.greedy_head_pack_bf16(panels, vocab_size)
+            self.panels = panels
+            self.weight = vnni_layout.rows(panels, torch.arange(vocab_size)).contiguous()
+        else:
+            weight = panels.permute(0, 2, 1).reshape(-1, panels.shape[1])[:vocab_size].contiguous()  # fp32: in order
+            self.codes, self.stats = ext.greedy_head_pack(weight)
+            # The exact logits read the weight by rows: a tied input embedding holding the same values serves.
+            same = embedding is not None and embedding.dtype == torch.float32 and embedding.is_contiguous() \
+                and embedding.shape == weight.shape and torch.equal(embedding, weight)
+            self.weight = embedding if same else weight
         self.rows = self.exact = 0  # rows answered, logits computed exactly for them (stats)
 
     @classmethod
     def build(cls, ext, model: nn.Module) -> "GreedyHead | None":
-        """For an fp32 LM head in packed panels, without bias, where the kernel runs; else None."""
+        """For an LM head without bias in fp32 panels or bf16 VNNI pairs, where its kernel runs; else None."""
         head = getattr(model, "lm_head", None)
         panels = getattr(head, "_pagedcore_packed", None)
         if ext is None or not ext.greedy_head_supported() or panels is None or getattr(head, "bias", None) is not None:
             return None
-        if panels.dtype != torch.float32 or panels.dim() != 3 or panels.shape[2] != PANEL:
-            return None
         vocab = head.out_features
-        if vocab > panels.shape[0] * PANEL or panels.shape[1] > 1032:
+        if panels.dtype == torch.bfloat16:
+            if not (vnni_layout.is_packed(panels) and ext.greedy_head_bf16_supported()):
+                return None
+            depth = 2 * panels.shape[1]
+        elif panels.dtype == torch.float32 and panels.dim() == 3 and panels.shape[2] == PANEL:
+            depth = panels.shape[1]
+        else:
+            return None
+        if vocab > panels.shape[0] * PANEL or depth > 1032:
             return None
         embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         return cls(ext, head, vocab, getattr(embed, "weight", None))
@@ -57,11 +80,28 @@ class GreedyHead:
     def argmax(self, hidden: torch.Tensor) -> ArgmaxTokens | None:
         """The argmax of lm_head(hidden) per row; None where the head was replaced since, or a row (its input or
         a logit the bound kept) is not finite: the caller then computes the logits."""
-        if self.head.__dict__.get("forward") is not self.forward or hidden.dtype != torch.float32:
+        if self.head.__dict__.get("forward") is not self.forward or hidden.dtype != self.dtype:
             return None
-        tokens, exact = self.ext.greedy_head(hidden, self.codes, self.stats, self.weight)
+        if self.colsum is not None:
+            if self.head.__dict__.get("_pagedcore_packed") is not self.panels:  # re-pointed since
+                return None
+            self._track_outliers(hidden)
+            tokens, exact = self.ext.greedy_head_bf16(hidden, self.codes, self.stats, self.colsum, self.weight,
+                                                      self.dims, self.wo)
+        else:
+            tokens, exact = self.ext.greedy_head(hidden, self.codes, self.stats, self.weight)
         if bool((tokens < 0).any()):
             return None
         self.rows += len(tokens)
         self.exact += int(exact.sum())
         return ArgmaxTokens(tokens)
+
+    def _track_outliers(self, hidden: torch.Tensor) -> None:
+        """Pick the outlier dims again (and gather their weights: ~0.5 ms, strided) only when the step's largest |x|
+        lies outside them: massive activations keep to their dims, and which dims are out changes the bound only."""
+        top = hidden.abs().amax(0).float()
+        if self.dims is not None and int(top.argmax()) in self._dim_set:
+            return
+        self.dims = top.topk(min(OUTLIER_DIMS, top.numel())).indices.sort().values.to(torch.int32)
+        self._dim_set = set(self.dims.tolist())
+        self.wo = self.ext.greedy_head_outliers(self.panels, self.dims)

@@ -1,6 +1,7 @@
 """The greedy head (pagedcore/greedy_head.py, kernels/csrc/cpu_greedy_head.cpp): the argmax of the LM head from int8
-codes and a few exact logits must be the full fp32 logits' argmax (pack_linear_weight's panels, argmax_logsumexp's
-lowest index on ties), bit for bit, whatever the input; and the engine's greedy tokens must not change with it."""
+codes and a few exact logits must be the full logits' argmax (pack_linear_weight's fp32 panels, or the bf16 VNNI
+pairs' logits rounded to bf16; argmax_logsumexp's lowest index on ties), bit for bit, whatever the input; and the
+engine's greedy tokens must not change with it."""
 
 from __future__ import annotations
 
@@ -92,6 +93,59 @@ def test_pack_refuses_a_weight_that_is_not_finite():
         ext.greedy_head_pack(weight)
 
 
+# ---- bf16 heads in VNNI pairs (the AVX512-BF16 tiles' logits, rounded to bf16) ---------------------------------
+needs_bf16 = pytest.mark.skipif(not ext.greedy_head_bf16_supported(),
+                                reason="the bf16 greedy head needs AVX512-BF16 without AMX")
+
+
+def greedy_bf16(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    panels = ext.pack_linear_weight_vnni(weight.bfloat16())
+    codes, stats, colsum = ext.greedy_head_pack_bf16(panels, weight.shape[0])
+    dims = x.abs().amax(0).float().topk(min(16, x.shape[1])).indices.to(torch.int32)  # GreedyHead's outlier dims
+    wo = ext.greedy_head_outliers(panels, dims)
+    tokens, exact = ext.greedy_head_bf16(x.bfloat16(), codes, stats, colsum, weight.bfloat16(), dims, wo)
+    return tokens, exact, full_argmax(x.bfloat16(), panels, weight.shape[0])
+
+
+@needs_bf16
+@pytest.mark.parametrize("vocab,k,rows", [(1000, 64, 1), (1000, 64, 13), (4099, 576, 7), (333, 32, 6), (49152, 576, 3)])
+def test_bf16_equals_the_full_logits_argmax(vocab, k, rows):
+    g = torch.Generator().manual_seed(vocab + k + rows)
+    tokens, exact, want = greedy_bf16(torch.randn(rows, k, generator=g) * 3, torch.randn(vocab, k, generator=g) * 0.1)
+    assert torch.equal(tokens, want)
+    assert bool((exact >= 1).all()) and bool((exact <= vocab).all())
+
+
+@needs_bf16
+def test_bf16_ties_after_rounding_and_outliers():
+    """bf16 logits tie far more often than fp32 ones: columns whose logits differ below a bf16 ulp, or not at all,
+    must go to the lowest index; and a few huge dims coarsen the uint8 codes of the rest."""
+    g = torch.Generator().manual_seed(2)
+    k, vocab = 576, 2048
+    weight = (torch.randn(vocab, k, generator=g) * 0.05).bfloat16().float()
+    x = torch.randn(16, k, generator=g)
+    x[:3, [7, 300]] = torch.tensor([400.0, -900.0])
+    best = full_argmax(x.bfloat16(), ext.pack_linear_weight_vnni(weight.bfloat16()), vocab)
+    for r, j in enumerate(best.tolist()):  # copies of each row's winner, some after a 1-ulp nudge of one weight
+        for c in range(4):
+            other = (j + 97 * (r + 1) * (c + 1)) % vocab
+            weight[other] = weight[j]
+            if c % 2:
+                weight[other, (r * 31 + c) % k] = weight[other, (r * 31 + c) % k].bfloat16().float() * (1 + 2**-7)
+    tokens, exact, want = greedy_bf16(x, weight)
+    assert torch.equal(tokens, want)
+    assert int(exact.min()) >= 1
+
+
+@needs_bf16
+def test_bf16_a_row_that_is_not_finite_is_left_to_the_caller():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 64, generator=g)
+    x[1, 5] = float("inf")
+    tokens, _, want = greedy_bf16(x, torch.randn(500, 64, generator=g))
+    assert tokens[1] == -1 and tokens[0] == want[0] and tokens[2] == want[2]
+
+
 PROMPTS = [list(range(100 + 5 * i, 130 + 9 * i)) for i in range(6)]
 
 
@@ -106,17 +160,18 @@ def _tokens(engine: LLMEngine, params: SamplingParams) -> list[tuple[list[int], 
     return [done[i] for i in ids]
 
 
-def test_engine_tokens_with_and_without_the_greedy_head(smollm2_dir):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_tokens_with_and_without_the_greedy_head(smollm2_dir, dtype):
     """The bundled model, greedy, batch 6 over 24 steps: the same tokens with the head as with full logits; the
     head answered the decode steps; such requests report no cumulative logprob, logprobs=0 ones do."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    on = LLMEngine(model=str(smollm2_dir), max_num_seqs=8, num_kv_blocks=128, dtype="float32")
+    on = LLMEngine(model=str(smollm2_dir), max_num_seqs=8, num_kv_blocks=128, dtype=dtype)
     head = on.runner.decode_stack.greedy_head if on.runner.decode_stack is not None else None
     if head is None:
         pytest.skip("no decode stack / greedy head for this model here")
     got = _tokens(on, params)
     assert head.rows >= 6 * 20 and head.exact < head.rows * 200
-    off = LLMEngine(model=str(smollm2_dir), max_num_seqs=8, num_kv_blocks=128, dtype="float32")
+    off = LLMEngine(model=str(smollm2_dir), max_num_seqs=8, num_kv_blocks=128, dtype=dtype)
     off.runner.decode_stack.greedy_head = None
     want = _tokens(off, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0))
     assert [t for t, _ in got] == [t for t, _ in want]

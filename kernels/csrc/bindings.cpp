@@ -31,6 +31,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "per row of x: (argmax of x W^T as pack_linear_weight's fp32 panels of W [V, K] give it, or -1 where x or "
         "a candidate logit is not finite; how many logits were computed exactly, from W's rows)",
         py::arg("x"), py::arg("codes"), py::arg("stats"), py::arg("weight"));
+  m.def("greedy_head_bf16_supported", &greedy_head_bf16_supported,
+        "whether greedy_head_bf16 runs here (AVX-512 BW, VNNI and BF16, no AMX)");
+  m.def("greedy_head_pack_bf16", &greedy_head_pack_bf16,
+        "bf16 VNNI panels [P, K / 2, 32], vocab V -> (int8 codes [P, K / 4, 64], stats [4, V], int32 column sums [V])");
+  m.def("greedy_head_bf16", &greedy_head_bf16,
+        "per bf16 row of x: (argmax of the bf16 logits the VNNI panels of W give, W's rows [V, K] the exact logits' "
+        "source, or -1 where x or a candidate logit is not finite; how many logits were computed exactly)",
+        py::arg("x"), py::arg("codes"), py::arg("stats"), py::arg("colsum"), py::arg("rows"), py::arg("dims"),
+        py::arg("wo"));
+  m.def("greedy_head_outliers", &greedy_head_outliers,
+        "the weights of dims (int32 [n]) of bf16 VNNI panels [P, K / 2, 32], fp32 [P, n, 16]: greedy_head_bf16's "
+        "outlier dims, kept out of x's codes");
   m.def("pack_linear_weight", &pack_linear_weight, "W [N, K] -> panels [ceil(N/16), K, 16], same dtype");
   m.def("packed_linear_silu_mul", &packed_linear_silu_mul,
         "silu(x @ W_gate^T) * (x @ W_up^T) over a fused [gate; up] packed weight, never writing the product",

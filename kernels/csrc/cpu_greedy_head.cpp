@@ -15,10 +15,19 @@
 //      as the fp32 panels would, the same FMA chain over k the GEMM tile runs (bit for bit), read from the
 //      weight's rows; the largest wins, the lowest index on ties (argmax_logsumexp's rule).
 // A row whose x or candidate logits are not finite returns -1: the caller computes its logits the usual way.
+// bf16 heads in the VNNI pair layout, where the AVX512-BF16 tiles run them (no AMX: vnni_silu_mul_runs), take the
+// same three steps at twice the rate: x as uint8 codes (t = max|x| / 127, stored + 128) against the int8 codes of
+// W with vpdpbusd (64 products per instruction; the + 128 taken back through each column's sum of codes), except
+// x's largest dims (greedy_head.py's OUTLIER_DIMS), whose part of a_j is summed in fp32 from their weights; the same
+// bounds (with the coarser x codes' error and that sum's rounding); candidates widened to any logit that could round
+// to the same bf16 as the largest (2 bf16 ulps below L); their logits from the dp tile's chain (vdpbf16ps over the
+// pairs in order, from +0), rounded to bf16 as the GEMM stores them. Bundled model, bf16, 64 decode rows of the bench's
+// random prompts (~190 candidates a row): ~7.5 ms where the logits took ~9.6 and their argmax ~1.6; one row 0.9 / 1.7.
 #include "ops.h"
 
 #include <omp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -28,12 +37,16 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define PC_GREEDY_HEAD 1
+#if defined(__AVX512BF16__)
+#define PC_GREEDY_HEAD_BF16 1
+#endif
 #endif
 
 namespace {
 constexpr int64_t NR = 16;     // columns per panel (the fp32 panels' and the codes')
 constexpr int64_t MAX_K = 1032;  // 127 * 16383 * K stays inside int32
 constexpr float XMAX = 16383.f;
+constexpr float XMAX8 = 127.f;  // the bf16 head's uint8 x codes: -127..127, stored + 128
 constexpr double UNIT = 1.0 / (1 << 24);  // fp32 unit roundoff
 enum Stat { SCALE, WERR, L1, W1, NSTATS };
 
@@ -115,12 +128,327 @@ __m512 exact16(const float* x, int64_t K, const float* rows, const int32_t* cols
   }
   return z;
 }
+
+#ifdef PC_GREEDY_HEAD_BF16
+// acc[r][p] = sum over k quads of x's uint8 codes (row r's quad kq at xq[r * K4 + kq]) times panel p's int8 codes.
+template <int R, int P>
+__attribute__((noinline)) void approx_tile_u8(const int32_t* xq, int64_t K4, const int8_t* w, int64_t ps, __m512i* out) {
+  __m512i acc[R][P];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_si512();
+  for (int64_t kq = 0; kq < K4; ++kq) {
+    __m512i wv[P];
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) wv[p] = _mm512_loadu_si512(w + p * ps + kq * 64);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_set1_epi32(xq[r * K4 + kq]);
+#pragma GCC unroll 4
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_dpbusd_epi32(acc[r][p], xv, wv[p]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) out[r * GP + p] = acc[r][p];
+}
+
+template <int R>
+void approx_u8_rows(int64_t np, const int32_t* xq, int64_t K4, const int8_t* w, int64_t ps, __m512i* out) {
+  switch (np) {
+    case 1: return approx_tile_u8<R, 1>(xq, K4, w, ps, out);
+    case 2: return approx_tile_u8<R, 2>(xq, K4, w, ps, out);
+    case 3: return approx_tile_u8<R, 3>(xq, K4, w, ps, out);
+    default: return approx_tile_u8<R, 4>(xq, K4, w, ps, out);
+  }
+}
+
+void approx_u8(int64_t rows, int64_t np, const int32_t* xq, int64_t K4, const int8_t* w, int64_t ps, __m512i* out) {
+  switch (rows) {
+    case 1: return approx_u8_rows<1>(np, xq, K4, w, ps, out);
+    case 2: return approx_u8_rows<2>(np, xq, K4, w, ps, out);
+    case 3: return approx_u8_rows<3>(np, xq, K4, w, ps, out);
+    case 4: return approx_u8_rows<4>(np, xq, K4, w, ps, out);
+    case 5: return approx_u8_rows<5>(np, xq, K4, w, ps, out);
+    default: return approx_u8_rows<6>(np, xq, K4, w, ps, out);
+  }
+}
+
+// The exact logits of up to 16 columns cols[0, n) for one bf16 row, as the dp tile (cpu_gemm_vnni.cpp) computes and
+// stores them: per column z = vdpbf16ps(z, x's pair, the column's pair) over the pairs in order from +0, then rounded
+// to bf16: vcvtneps2bf16 for columns of whole panels, as c10::BFloat16 does for the last, partial one. Each column's
+// chain runs in lane 0 of its own xmm register (16 chains side by side, the pairs broadcast from the head's rows
+// [V, K], where a column's pairs lie in K * 2 / 64 lines: in the VNNI panels, in K / 2 lines of 64 bytes, ~190
+// candidates a row read ~200 MB at 64 rows); gathering 16 columns' pairs into one zmm instead cost ~37 cycles a pair.
+void exact16_bf16(const c10::BFloat16* x, int64_t K, const c10::BFloat16* rows, int64_t V, const int32_t* cols,
+                  int64_t n, float* out) {
+  const int64_t K2 = K / 2, whole = V / NR * NR;
+  const int32_t* r[NR];
+  for (int64_t i = 0; i < NR; ++i) r[i] = reinterpret_cast<const int32_t*>(rows + cols[std::min<int64_t>(i, n - 1)] * K);
+  __m128 z[NR];
+#pragma GCC unroll 16
+  for (int i = 0; i < NR; ++i) z[i] = _mm_setzero_ps();
+  for (int64_t kp = 0; kp < K2; ++kp) {
+    int32_t xp;
+    std::memcpy(&xp, x + 2 * kp, 4);
+    const __m128bh xv = (__m128bh)_mm_set1_epi32(xp);
+#pragma GCC unroll 16
+    for (int i = 0; i < NR; ++i) z[i] = _mm_dpbf16_ps(z[i], xv, (__m128bh)_mm_set1_epi32(r[i][kp]));
+  }
+  alignas(64) float lane0[NR];
+#pragma GCC unroll 16
+  for (int i = 0; i < NR; ++i) lane0[i] = _mm_cvtss_f32(z[i]);
+  const __m512 zz = _mm512_load_ps(lane0);
+  alignas(64) float v[NR];
+  alignas(32) uint16_t b[NR];
+  _mm512_store_ps(v, zz);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(b), (__m256i)_mm512_cvtneps_pbh(zz));
+  for (int64_t i = 0; i < n; ++i) {
+    if (!finite_bits(v[i])) {
+      out[i] = v[i];  // not finite: the caller gives up on the row
+      continue;
+    }
+    const uint32_t u = uint32_t(cols[i] < whole ? b[i] : c10::BFloat16(v[i]).x) << 16;
+    std::memcpy(&out[i], &u, 4);
+  }
+}
+#endif
+#endif
+}  // namespace
+
+namespace {
+// Codes of one vocab row w(k), k < K, into its code slots, and its stats: scale, the codes' max error, sum |s q|,
+// sum |w| (rounded up into fp32: the bounds only grow). False if the row is not finite.
+template <typename Get, typename Put>
+bool pack_row(Get w, Put put, int64_t K, int64_t j, int64_t V, float* ps, int32_t* colsum) {
+  double m = 0.0;
+  bool ok = true;
+  for (int64_t k = 0; k < K; ++k) m = std::max(m, std::fabs(double(w(k)))), ok = ok && finite_bits(w(k));
+  const float s = m > 0.0 ? float(m / 127.0) : 1.f;
+  double err = 0.0, l1 = 0.0, w1 = 0.0;
+  int32_t sum = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    const int q = int(std::max(-127.0, std::min(127.0, std::nearbyint(double(w(k)) / s))));
+    put(k, int8_t(q));
+    sum += q;
+    err = std::max(err, std::fabs(double(w(k)) - double(s) * q));
+    l1 += std::fabs(double(s) * q);
+    w1 += std::fabs(double(w(k)));
+  }
+  ps[SCALE * V + j] = s;
+  ps[WERR * V + j] = float(err * (1 + 1e-6));
+  ps[L1 * V + j] = float(l1 * (1 + 1e-6));
+  ps[W1 * V + j] = float(w1 * (1 + 1e-6));
+  if (colsum != nullptr) colsum[j] = sum;
+  return ok;
+}
+
+// x's codes (int16 pairs, or uint8 quads stored + 128) and what the bounds need of each row: the scale t, |x|_1,
+// max|x| and the codes' max error. A row that is not finite is marked and keeps token -1. With `outliers`, the
+// dims with the largest |x| over the rows (LLMs' massive activations: one dim of the bundled model's final hidden
+// states is ~40 where the median is ~0.4) are left out of the codes (code 0) and kept as they are (xo): coded, they
+// set t for every dim, and uint8 codes then bounded half the vocabulary into the candidates.
+struct RowCodes {
+  std::vector<int32_t> words;  // per row: `per_row` 32-bit words
+  int64_t per_row = 0;
+  std::vector<float> t, x1, xinf, xerr;
+  std::vector<char> ok;
+  std::vector<int32_t> dims;  // the outlier dims
+  std::vector<float> xo, xo1;  // per row: x at those dims, and sum of their |x|
+};
+
+template <typename X>
+RowCodes quantize_rows(const X* px, int64_t B, int64_t K, bool u8, const int32_t* dims, int64_t ndims) {
+  RowCodes rc;
+  rc.per_row = u8 ? K / 4 : (K + 1) / 2;
+  rc.words.assign(B * rc.per_row, 0);
+  rc.t.resize(B), rc.x1.resize(B), rc.xinf.resize(B), rc.xerr.resize(B), rc.ok.resize(B);
+  rc.dims.assign(dims, dims + ndims);
+  std::vector<char> out(K, 0);
+  for (int32_t k : rc.dims) out[k] = 1;
+  const int64_t no = int64_t(rc.dims.size());
+  rc.xo.assign(B * no, 0.f), rc.xo1.assign(B, 0.f);
+  const double xmax = u8 ? XMAX8 : XMAX;
+  for (int64_t r = 0; r < B; ++r) {
+    const X* row = px + r * K;
+    double a1 = 0.0, am = 0.0, o1 = 0.0, all = 0.0, mall = 0.0;
+    for (int64_t k = 0; k < K; ++k) {
+      const double v = std::fabs(double(row[k]));
+      all += v, mall = std::max(mall, v);
+      if (out[k]) o1 += v;
+      else a1 += v, am = std::max(am, v);
+    }
+    rc.ok[r] = finite_bits(all);
+    for (int64_t i = 0; i < no; ++i) rc.xo[r * no + i] = float(row[rc.dims[i]]);
+    rc.xo1[r] = float(o1 * (1 + 1e-6));
+    const float tr = am > 0.0 ? float(am / xmax) : 1.f;
+    rc.t[r] = tr, rc.x1[r] = float(a1 * (1 + 1e-6)), rc.xinf[r] = float(mall);
+    double e = 0.0;
+    auto* w16 = reinterpret_cast<int16_t*>(rc.words.data() + r * rc.per_row);
+    auto* w8 = reinterpret_cast<uint8_t*>(rc.words.data() + r * rc.per_row);
+    for (int64_t k = 0; rc.ok[r] && k < K; ++k) {
+      const double q = out[k] ? 0.0 : std::max(-xmax, std::min(xmax, std::nearbyint(double(row[k]) / tr)));
+      if (u8)
+        w8[k] = uint8_t(int(q) + 128);
+      else
+        w16[k] = int16_t(q);
+      if (!out[k]) e = std::max(e, std::fabs(double(row[k]) - double(tr) * q));
+    }
+    rc.xerr[r] = float(e * (1 + 1e-6));
+  }
+  return rc;
+}
+
+#ifdef PC_GREEDY_HEAD
+// Where a candidate must reach to matter against the largest lower bound L: L itself for fp32 logits; for logits
+// rounded to bf16, 2 bf16 ulps below it (any logit below that rounds below what the largest rounds to).
+template <bool BF16>
+inline float edge(float L) {
+  if constexpr (BF16) return L - std::fabs(L) * (1.f / 64) - 1e-30f;
+  return L;
+}
+
+// 16 fp32 -> bf16 bits, nearest even (the hi buffer's rounding: its input is raised first to make it an upper bound).
+inline __m256i bf16_bits(__m512 v) {
+#ifdef PC_GREEDY_HEAD_BF16
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16));
+#endif
+}
+
+// Both passes for rows of codes rc against the head's codes (pc, ps bytes a panel) and stats; colsum: the bf16
+// head's column sums of codes (the uint8 codes' + 128 taken back). exact(r, cols, n, out): the exact logits of
+// candidates cols[0, n) of row r, as the GEMM would store them.
+template <bool BF16, typename Exact>
+void argmax_rows(const RowCodes& rc, int64_t B, int64_t K, int64_t V, int64_t P, const int8_t* pc, int64_t ps,
+                 const float* st, const int32_t* colsum, const float* wo, Exact exact, int64_t* ptok,
+                 int32_t* pcnt) {
+  // The outlier dims' part of a_j in fp32 from their weights (wo: [P][no][16]): |O| FMAs, each rounding by at most u times the
+  // sum of |w_jk x_k| over O <= 127 s_j |x_O|_1 (1% over).
+  const int64_t no = int64_t(rc.dims.size());
+  std::vector<float> ob(B);
+  for (int64_t r = 0; r < B; ++r) ob[r] = float(1.01 * (no + 1) * UNIT * 127.0 * rc.xo1[r]);
+  // Pass 1, panels split over the threads (all rows per panel group): per row, the max of a_j - E_j (per thread), and
+  // a_j + E_j of every token as a bf16 rounded up (hi [B, P * 16]: 6 MB at 64 rows). Keeping only the
+  // tokens whose a_j + E_j reached the running max, as this once did, cost ~4 ms of branches and list growth at 64
+  // rows of the bench's flat distributions (random prompts: ~3000 of 49152 kept a row on the way up).
+  const float gamma = float(1.01 * (K + 2) * UNIT / (1 - (K + 2) * UNIT));
+  const int nth = std::max<int>(1, std::min<int>(at::get_num_threads(), int((P + GP - 1) / GP)));
+  const float ninf_s = -std::numeric_limits<float>::infinity();
+  const int64_t VP = P * NR;
+  std::vector<__m512> lower(nth * B, _mm512_set1_ps(ninf_s));
+  // Kept across calls: a fresh 6 MB buffer is fresh pages each call (glibc maps it), ~2 ms of page faults here.
+  static thread_local std::vector<uint16_t> hib;
+  if (hib.size() < size_t(B * VP)) hib.resize(B * VP);
+  uint16_t* const hb = hib.data();  // (the workers' own thread_local would be empty)
+#pragma omp parallel num_threads(nth)
+  {
+    alignas(64) __m512i acc[GR * GP];
+    const int64_t groups = (P + GP - 1) / GP, tid = omp_get_thread_num(), n = omp_get_num_threads();
+    const int64_t g0 = groups * tid / n, g1 = groups * (tid + 1) / n;
+    __m512* low = lower.data() + tid * B;
+    const __m512 ninf = _mm512_set1_ps(ninf_s);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p = g * GP, np = std::min(GP, P - p);
+      for (int64_t r0 = 0; r0 < B; r0 += GR) {
+        const int64_t rows = std::min(GR, B - r0);
+        const int32_t* xw = rc.words.data() + r0 * rc.per_row;
+#ifdef PC_GREEDY_HEAD_BF16
+        if constexpr (BF16) approx_u8(rows, np, xw, rc.per_row, pc + p * ps, ps, acc);
+        else
+#endif
+          approx(rows, np, xw, rc.per_row, pc + p * ps, ps, acc);
+        for (int64_t q = 0; q < np; ++q) {
+          const int64_t j = (p + q) * NR;
+          const __mmask16 in = V - j >= NR ? __mmask16(0xFFFF) : __mmask16((1u << (V - j)) - 1);
+          const __m512 s = _mm512_maskz_loadu_ps(in, st + SCALE * V + j);
+          const __m512 werr = _mm512_maskz_loadu_ps(in, st + WERR * V + j);
+          const __m512 l1 = _mm512_maskz_loadu_ps(in, st + L1 * V + j);
+          const __m512 w1 = _mm512_maskz_loadu_ps(in, st + W1 * V + j);
+          const __m512i shift = BF16 ? _mm512_slli_epi32(_mm512_maskz_loadu_epi32(in, colsum + j), 7) : _mm512_setzero_si512();
+          __m512 part[GR];
+          for (int64_t r = 0; r < rows; ++r) part[r] = _mm512_setzero_ps();
+          for (int64_t i = 0; i < no; ++i) {  // the outlier dims
+            const __m512 wv = _mm512_loadu_ps(wo + ((p + q) * no + i) * NR);
+            for (int64_t r = 0; r < rows; ++r) part[r] = _mm512_fmadd_ps(_mm512_set1_ps(rc.xo[(r0 + r) * no + i]), wv, part[r]);
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t row = r0 + r;
+            const __m512i dot = _mm512_sub_epi32(acc[r * GP + q], shift);  // exact: |dot| < 2^24
+            const __m512 a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), s), _mm512_set1_ps(rc.t[row]), part[r]);
+            __m512 e = _mm512_mul_ps(werr, _mm512_set1_ps(rc.x1[row]));
+            e = _mm512_fmadd_ps(s, _mm512_set1_ps(ob[row]), e);
+            e = _mm512_fmadd_ps(l1, _mm512_set1_ps(rc.xerr[row]), e);
+            e = _mm512_fmadd_ps(w1, _mm512_set1_ps(gamma * rc.xinf[row]), e);
+            e = _mm512_fmadd_ps(_mm512_abs_ps(a), _mm512_set1_ps(1e-6f), e);
+            e = _mm512_fmadd_ps(e, _mm512_set1_ps(1.01f), _mm512_set1_ps(1e-6f));
+            const __m512 hi = _mm512_add_ps(a, e);
+            low[row] = _mm512_max_ps(low[row], _mm512_mask_blend_ps(in, ninf, _mm512_sub_ps(a, e)));
+            // Rounded up: + 2^-6 |hi| (over a bf16 ulp, however the rounding goes) before the nearest-even bf16.
+            const __m512 up = _mm512_add_ps(hi, _mm512_fmadd_ps(_mm512_abs_ps(hi), _mm512_set1_ps(1.f / 64), _mm512_set1_ps(1e-30f)));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(hb + row * VP + j), bf16_bits(up));
+          }
+        }
+      }
+    }
+  }
+  // Pass 2, per row: the candidates (tokens whose a_j + E_j reaches the edge of the largest lower bound) in index
+  // order, their exact logits, the argmax (the lowest index on ties).
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    static thread_local std::vector<int32_t> cand;
+    if (cand.size() < size_t(VP + NR)) cand.resize(VP + NR);  // + a whole vector's slack
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t r = b0; r < b1; ++r) {
+      if (!rc.ok[r]) continue;
+      __m512 lv = lower[r];
+      for (int i = 1; i < nth; ++i) lv = _mm512_max_ps(lv, lower[i * B + r]);
+      const __m512 L = _mm512_set1_ps(edge<BF16>(_mm512_reduce_max_ps(lv)));
+      int64_t count = 0;
+      for (int64_t j = 0; j < V; j += NR) {
+        const __mmask16 in = V - j >= NR ? __mmask16(0xFFFF) : __mmask16((1u << (V - j)) - 1);
+        const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hb + r * VP + j)));
+        const __mmask16 m = _mm512_mask_cmp_ps_mask(in, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)), L, _CMP_GE_OQ);
+        if (m) {  // rare: compress in a register (vpcompressd to memory is ~140 cycles on Zen 4)
+          _mm512_storeu_si512(cand.data() + count, _mm512_maskz_compress_epi32(m, _mm512_add_epi32(lanes, _mm512_set1_epi32(int32_t(j)))));
+          count += __builtin_popcount(m);
+        }
+      }
+      pcnt[r] = int32_t(count);
+      float best = -std::numeric_limits<float>::infinity();
+      int64_t arg = -1;
+      bool all_finite = count > 0;
+      for (int64_t i = 0; i < count; i += NR) {
+        const int64_t n = std::min<int64_t>(NR, count - i);
+        alignas(64) float v[NR];
+        exact(r, cand.data() + i, n, v);
+        for (int64_t c = 0; c < n; ++c) {
+          all_finite = all_finite && finite_bits(v[c]);
+          if (v[c] > best) best = v[c], arg = cand[i + c];  // increasing j: ties keep the first
+        }
+      }
+      ptok[r] = all_finite ? arg : -1;
+    }
+  });
+}
 #endif
 }  // namespace
 
 bool greedy_head_supported() {
 #ifdef PC_GREEDY_HEAD
   return true;
+#else
+  return false;
+#endif
+}
+
+bool greedy_head_bf16_supported() {
+#ifdef PC_GREEDY_HEAD_BF16
+  return !vnni_amx();  // AMX machines run the head on tiles whose sums this kernel does not reproduce
 #else
   return false;
 #endif
@@ -140,29 +468,51 @@ std::vector<torch::Tensor> greedy_head_pack(torch::Tensor weight) {
   at::parallel_for(0, V, 64, [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j) {
       const float* row = pw + j * K;
-      double m = 0.0;
-      bool ok = true;
-      for (int64_t k = 0; k < K; ++k) m = std::max(m, std::fabs(double(row[k]))), ok = ok && finite_bits(row[k]);
-      if (!ok) all_finite = false;
-      const float s = m > 0.0 ? float(m / 127.0) : 1.f;
-      double err = 0.0, l1 = 0.0, w1 = 0.0;
-      for (int64_t k = 0; k < K; ++k) {
-        const int q = int(std::max(-127.0, std::min(127.0, std::nearbyint(double(row[k]) / s))));
-        pc[((j / NR) * K2 + k / 2) * 2 * NR + (j % NR) * 2 + k % 2] = int8_t(q);
-        err = std::max(err, std::fabs(double(row[k]) - double(s) * q));
-        l1 += std::fabs(double(s) * q);
-        w1 += std::fabs(double(row[k]));
-      }
-      // Rounded up into fp32: the bounds only grow.
-      ps[SCALE * V + j] = s;
-      ps[WERR * V + j] = float(err * (1 + 1e-6));
-      ps[L1 * V + j] = float(l1 * (1 + 1e-6));
-      ps[W1 * V + j] = float(w1 * (1 + 1e-6));
+      int8_t* dst = pc + (j / NR) * K2 * 2 * NR + (j % NR) * 2;
+      if (!pack_row([&](int64_t k) { return row[k]; }, [&](int64_t k, int8_t q) { dst[(k / 2) * 2 * NR + k % 2] = q; },
+                    K, j, V, ps, nullptr))
+        all_finite = false;
     }
   });
   TORCH_CHECK(all_finite, "greedy_head_pack: the weight is not finite");
   return {codes, stats};
 }
+
+std::vector<torch::Tensor> greedy_head_pack_bf16(torch::Tensor panels, int64_t V) {
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kBFloat16 && panels.size(2) == 2 * NR &&
+                  panels.is_contiguous(),
+              "greedy_head_pack_bf16: bf16 VNNI panels [P, K / 2, 32] (pack_linear_weight_vnni)");
+  const int64_t P = panels.size(0), K2 = panels.size(1), K = 2 * K2, K4 = K / 4;
+  TORCH_CHECK(V > 0 && V <= P * NR && K % 4 == 0, "greedy_head_pack_bf16: V within the panels, K a multiple of 4");
+  TORCH_CHECK(K <= MAX_K, "greedy_head_pack_bf16: K > ", MAX_K, " could overflow the int32 sums");
+  auto codes = torch::zeros({P, K4, 4 * NR}, panels.options().dtype(at::kChar));
+  auto stats = torch::empty({NSTATS, V}, panels.options().dtype(at::kFloat));
+  auto colsum = torch::empty({V}, panels.options().dtype(at::kInt));
+  const auto* pw = panels.data_ptr<c10::BFloat16>();
+  int8_t* pc = codes.data_ptr<int8_t>();
+  float* ps = stats.data_ptr<float>();
+  int32_t* cs = colsum.data_ptr<int32_t>();
+  std::atomic<bool> all_finite{true};
+  at::parallel_for(0, V, 64, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const c10::BFloat16* src = pw + (j / NR) * K2 * 2 * NR + (j % NR) * 2;  // column j's pair kp at kp * 32
+      int8_t* dst = pc + (j / NR) * K4 * 4 * NR + (j % NR) * 4;              // its quad kq at kq * 64
+      if (!pack_row([&](int64_t k) { return float(src[(k / 2) * 2 * NR + k % 2]); },
+                    [&](int64_t k, int8_t q) { dst[(k / 4) * 4 * NR + k % 4] = q; }, K, j, V, ps, cs))
+        all_finite = false;
+    }
+  });
+  TORCH_CHECK(all_finite, "greedy_head_pack_bf16: the weight is not finite");
+  return {codes, stats, colsum};
+}
+
+namespace {
+void check_stats(const torch::Tensor& stats, int64_t V) {
+  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == NSTATS && stats.size(1) == V && stats.scalar_type() == at::kFloat &&
+                  stats.is_contiguous(),
+              "stats: the pack's");
+}
+}  // namespace
 
 std::tuple<torch::Tensor, torch::Tensor> greedy_head(torch::Tensor x, torch::Tensor codes, torch::Tensor stats,
                                                      torch::Tensor weight) {
@@ -170,12 +520,11 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_head(torch::Tensor x, torch::Ten
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: fp32 [B, K]");
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.size(2) == 2 * NR,
               "codes: greedy_head_pack's");
-  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == NSTATS && stats.scalar_type() == at::kFloat && stats.is_contiguous(),
-              "stats: greedy_head_pack's");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
               "weight: fp32 [V, K] rows, the values of the panels the logits would come from");
   const auto xc = x.contiguous();
-  const int64_t B = xc.size(0), K = xc.size(1), V = stats.size(1), P = codes.size(0), K2 = codes.size(1);
+  const int64_t B = xc.size(0), K = xc.size(1), V = stats.size(-1), P = codes.size(0), K2 = codes.size(1);
+  check_stats(stats, V);
   TORCH_CHECK(K2 == (K + 1) / 2 && P == (V + NR - 1) / NR && weight.size(0) == V && weight.size(1) == K &&
                   V * K < (int64_t(1) << 31),
               "greedy_head: x, codes, stats and weight disagree on K or V");
@@ -183,122 +532,71 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_head(torch::Tensor x, torch::Ten
   auto counts = torch::zeros({B}, xc.options().dtype(at::kInt));
 #ifdef PC_GREEDY_HEAD
   const float* px = xc.data_ptr<float>();
-  const float* st = stats.data_ptr<float>();
-  const int8_t* pc = codes.data_ptr<int8_t>();
   const float* pw = weight.data_ptr<float>();
-  int64_t* ptok = tokens.data_ptr<int64_t>();
-  int32_t* pcnt = counts.data_ptr<int32_t>();
-  // Rows as int16 pairs; their scale, |x|_1, max|x| and code error. A row that is not finite keeps -1.
-  std::vector<int32_t> xp(B * K2, 0);
-  std::vector<float> t(B), x1(B), xinf(B), xerr(B);
-  std::vector<char> ok(B);
-  for (int64_t r = 0; r < B; ++r) {
-    const float* row = px + r * K;
-    double a1 = 0.0, am = 0.0;
-    for (int64_t k = 0; k < K; ++k) a1 += std::fabs(double(row[k])), am = std::max(am, std::fabs(double(row[k])));
-    ok[r] = finite_bits(a1);
-    const float tr = am > 0.0 ? float(am / XMAX) : 1.f;
-    t[r] = tr, x1[r] = float(a1 * (1 + 1e-6)), xinf[r] = float(am);
-    double e = 0.0;
-    auto* pair = reinterpret_cast<int16_t*>(xp.data() + r * K2);
-    for (int64_t k = 0; ok[r] && k < K; ++k) {
-      const double q = std::max(-double(XMAX), std::min(double(XMAX), std::nearbyint(double(row[k]) / tr)));
-      pair[k] = int16_t(q);
-      e = std::max(e, std::fabs(double(row[k]) - double(tr) * q));
-    }
-    xerr[r] = float(e * (1 + 1e-6));
-  }
-  // Pass 1, panels split over the threads (all rows per panel group): per thread and row, the running max of
-  // a_j - E_j, and (j, a_j + E_j) of the tokens whose a_j + E_j reached it when they were scored: the max only
-  // grows, so the others can never be candidates (no [B, V] buffer written and read back).
-  const int64_t ps = K2 * 2 * NR;
-  const float gamma = float(1.01 * K * UNIT / (1 - K * UNIT));
-  const int nth = std::max<int>(1, std::min<int>(at::get_num_threads(), int((P + GP - 1) / GP)));
-  const float ninf_s = -std::numeric_limits<float>::infinity();
-  std::vector<__m512> lower(nth * B, _mm512_set1_ps(ninf_s));
-  std::vector<std::vector<int32_t>> kept_j(nth * B);
-  std::vector<std::vector<float>> kept_hi(nth * B);
-#pragma omp parallel num_threads(nth)
-  {
-    alignas(64) __m512i acc[GR * GP];
-    const int64_t groups = (P + GP - 1) / GP, tid = omp_get_thread_num(), n = omp_get_num_threads();
-    const int64_t g0 = groups * tid / n, g1 = groups * (tid + 1) / n;
-    __m512* low = lower.data() + tid * B;
-    std::vector<float> thr(B, ninf_s);  // each row's running max of a_j - E_j, refreshed once a panel group
-    const __m512 ninf = _mm512_set1_ps(ninf_s);
-    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t p = g * GP, np = std::min(GP, P - p);
-      for (int64_t r0 = 0; r0 < B; r0 += GR) {
-        const int64_t rows = std::min(GR, B - r0);
-        approx(rows, np, xp.data() + r0 * K2, K2, pc + p * ps, ps, acc);
-        for (int64_t q = 0; q < np; ++q) {
-          const int64_t j = (p + q) * NR;
-          const __mmask16 in = V - j >= NR ? __mmask16(0xFFFF) : __mmask16((1u << (V - j)) - 1);
-          const __m512 s = _mm512_maskz_loadu_ps(in, st + SCALE * V + j);
-          const __m512 werr = _mm512_maskz_loadu_ps(in, st + WERR * V + j);
-          const __m512 l1 = _mm512_maskz_loadu_ps(in, st + L1 * V + j);
-          const __m512 w1 = _mm512_maskz_loadu_ps(in, st + W1 * V + j);
-          const __m512i cols = _mm512_add_epi32(lanes, _mm512_set1_epi32(int32_t(j)));
-          for (int64_t r = 0; r < rows; ++r) {
-            const int64_t row = r0 + r;
-            const __m512 a = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[r * GP + q]), s), _mm512_set1_ps(t[row]));
-            __m512 e = _mm512_mul_ps(werr, _mm512_set1_ps(x1[row]));
-            e = _mm512_fmadd_ps(l1, _mm512_set1_ps(xerr[row]), e);
-            e = _mm512_fmadd_ps(w1, _mm512_set1_ps(gamma * xinf[row]), e);
-            e = _mm512_fmadd_ps(_mm512_abs_ps(a), _mm512_set1_ps(1e-6f), e);
-            e = _mm512_fmadd_ps(e, _mm512_set1_ps(1.01f), _mm512_set1_ps(1e-6f));
-            const __m512 hi = _mm512_add_ps(a, e);
-            low[row] = _mm512_max_ps(low[row], _mm512_mask_blend_ps(in, ninf, _mm512_sub_ps(a, e)));
-            const __mmask16 m = _mm512_mask_cmp_ps_mask(in, hi, _mm512_set1_ps(thr[row]), _CMP_GE_OQ);
-            if (m) {
-              auto& kj = kept_j[tid * B + row];
-              auto& kh = kept_hi[tid * B + row];
-              const size_t c = kj.size();
-              kj.resize(c + __builtin_popcount(m));
-              kh.resize(kj.size());
-              _mm512_mask_compressstoreu_epi32(kj.data() + c, m, cols);
-              _mm512_mask_compressstoreu_ps(kh.data() + c, m, hi);
-            }
-          }
-        }
-        for (int64_t r = 0; r < rows; ++r) thr[r0 + r] = _mm512_reduce_max_ps(low[r0 + r]);
+  const RowCodes rc = quantize_rows(px, B, K, false, nullptr, 0);
+  argmax_rows<false>(rc, B, K, V, P, codes.data_ptr<int8_t>(), K2 * 2 * NR, stats.data_ptr<float>(), nullptr, nullptr,
+                     [&](int64_t r, const int32_t* cols, int64_t n, float* out) {
+                       _mm512_store_ps(out, exact16(px + r * K, K, pw, cols, n));
+                     },
+                     tokens.data_ptr<int64_t>(), counts.data_ptr<int32_t>());
+#endif
+  return {tokens, counts};
+}
+
+torch::Tensor greedy_head_outliers(torch::Tensor panels, torch::Tensor dims) {
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() &&
+                  panels.size(2) == 2 * NR,
+              "panels: bf16 VNNI panels [P, K / 2, 32]");
+  TORCH_CHECK(dims.dim() == 1 && dims.scalar_type() == at::kInt && dims.is_contiguous(), "dims: int32 [n]");
+  const int64_t P = panels.size(0), K2 = panels.size(1), no = dims.numel();
+  const int32_t* pd = dims.data_ptr<int32_t>();
+  for (int64_t i = 0; i < no; ++i) TORCH_CHECK(0 <= pd[i] && pd[i] < 2 * K2, "dims: within K");
+  auto wo = torch::empty({P, no, NR}, panels.options().dtype(at::kFloat));
+  const auto* pw = panels.data_ptr<c10::BFloat16>();
+  float* po = wo.data_ptr<float>();
+  at::parallel_for(0, P, 64, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t i = 0; i < no; ++i) {  // dim k: the even / odd half of each column's pair k / 2
+        const c10::BFloat16* pair = pw + (p * K2 + pd[i] / 2) * 2 * NR;
+        for (int64_t c = 0; c < NR; ++c) po[(p * no + i) * NR + c] = float(pair[2 * c + pd[i] % 2]);
       }
-    }
-  }
-  // Pass 2, per row: the candidates (kept tokens with a_j + E_j >= the largest lower bound, in index order: the
-  // threads' panel ranges ascend), their exact logits, the argmax.
-  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<int32_t> cand;
-    for (int64_t r = b0; r < b1; ++r) {
-      if (!ok[r]) continue;
-      __m512 lv = lower[r];
-      for (int i = 1; i < nth; ++i) lv = _mm512_max_ps(lv, lower[i * B + r]);
-      const float L = _mm512_reduce_max_ps(lv);
-      cand.clear();
-      for (int i = 0; i < nth; ++i) {
-        const auto& kj = kept_j[i * B + r];
-        const auto& kh = kept_hi[i * B + r];
-        for (size_t c = 0; c < kj.size(); ++c)
-          if (kh[c] >= L) cand.push_back(kj[c]);
-      }
-      const int64_t count = int64_t(cand.size());
-      pcnt[r] = int32_t(count);
-      float best = -std::numeric_limits<float>::infinity();
-      int64_t arg = -1;
-      bool all_finite = count > 0;
-      for (int64_t i = 0; i < count; i += NR) {
-        const int64_t n = std::min<int64_t>(NR, count - i);
-        alignas(64) float v[NR];
-        _mm512_store_ps(v, exact16(px + r * K, K, pw, cand.data() + i, n));
-        for (int64_t c = 0; c < n; ++c) {
-          all_finite = all_finite && finite_bits(v[c]);
-          if (v[c] > best) best = v[c], arg = cand[i + c];  // increasing j: ties keep the first
-        }
-      }
-      ptok[r] = all_finite ? arg : -1;
-    }
   });
+  return wo;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> greedy_head_bf16(torch::Tensor x, torch::Tensor codes, torch::Tensor stats,
+                                                          torch::Tensor colsum, torch::Tensor rows, torch::Tensor dims,
+                                                          torch::Tensor wo) {
+  TORCH_CHECK(greedy_head_bf16_supported(), "greedy_head_bf16: needs AVX-512 BW, VNNI and BF16, and no AMX");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: bf16 [B, K]");
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.size(2) == 4 * NR,
+              "codes: greedy_head_pack_bf16's");
+  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kBFloat16 && rows.is_contiguous(),
+              "rows: the head's bf16 weight [V, K], the values of the VNNI panels the logits would come from");
+  const auto xc = x.contiguous();
+  const int64_t B = xc.size(0), K = xc.size(1), V = stats.size(-1), P = codes.size(0), K4 = codes.size(1);
+  check_stats(stats, V);
+  TORCH_CHECK(colsum.scalar_type() == at::kInt && colsum.is_contiguous() && colsum.numel() == V, "colsum: the pack's");
+  TORCH_CHECK(dims.dim() == 1 && dims.scalar_type() == at::kInt && dims.is_contiguous() && wo.scalar_type() == at::kFloat &&
+                  wo.is_contiguous() && wo.dim() == 3 && wo.size(0) == P && wo.size(1) == dims.numel() && wo.size(2) == NR,
+              "dims, wo: greedy_head_outliers' dims and weights");
+  for (int64_t i = 0; i < dims.numel(); ++i)
+    TORCH_CHECK(0 <= dims.data_ptr<int32_t>()[i] && dims.data_ptr<int32_t>()[i] < K, "dims: within K");
+  TORCH_CHECK(K % 4 == 0 && K4 == K / 4 && P == (V + NR - 1) / NR && rows.size(0) == V && rows.size(1) == K &&
+                  V * K < (int64_t(1) << 31),
+              "greedy_head_bf16: x, codes, stats and panels disagree on K or V");
+  auto tokens = torch::full({B}, -1, xc.options().dtype(at::kLong));
+  auto counts = torch::zeros({B}, xc.options().dtype(at::kInt));
+#ifdef PC_GREEDY_HEAD_BF16
+  const auto* px = xc.data_ptr<c10::BFloat16>();
+  const auto* pr = rows.data_ptr<c10::BFloat16>();
+  const RowCodes rc = quantize_rows(px, B, K, true, dims.data_ptr<int32_t>(), dims.numel());
+  argmax_rows<true>(rc, B, K, V, P, codes.data_ptr<int8_t>(), K4 * 4 * NR, stats.data_ptr<float>(),
+                    colsum.data_ptr<int32_t>(), wo.data_ptr<float>(),
+                    [&](int64_t r, const int32_t* cols, int64_t n, float* out) {
+                      exact16_bf16(px + r * K, K, pr, V, cols, n, out);
+                    },
+                    tokens.data_ptr<int64_t>(), counts.data_ptr<int32_t>());
 #endif
   return {tokens, counts};
 }
