@@ -9,7 +9,9 @@ such requests report no cumulative logprob (`SamplingParams.argmax_only`; vLLM v
 for it.
 A bf16 head in VNNI pairs (vnni_layout.py), where the AVX512-BF16 tiles run it, has its own kernel: uint8 x
 codes against int8 W codes (vpdpbusd, twice vdpbf16ps's rate), the candidates' logits as those tiles give and
-round them to bf16; its argmax is the bf16 logits' argmax, bit for bit.
+round them to bf16; its argmax is the bf16 logits' argmax, bit for bit. It keeps the head's values by rows too
+(the candidates' exact logits read them there: a column of the pairs spans K / 2 cache lines), V * K bf16 more
+memory (56 MB on the bundled model).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from pagedcore import vnni_layout
 
 PANEL = 16
 # x's dims the bf16 head keeps out of its uint8 codes (the largest |x|: LLMs' massive activations). On the bundled
-# model's final hidden states (one dim ~40, the median ~0.4) 16 left ~80 candidate logits a row, 4 left ~750, none
-# half the vocabulary.
+# model's final hidden states (one dim ~40, the median ~0.4) 16 left ~60-190 candidate logits a row, 4 left ~750,
+# none half the vocabulary; 32 left ~45 but their fp32 sums cost more than the candidates they saved.
 OUTLIER_DIMS = 16
 
 
@@ -43,10 +45,13 @@ class GreedyHead:
         self.dtype = panels.dtype
         self.colsum = None
         self.dims = self.wo = None  # the bf16 head's outlier dims and their weights, kept while they stay the largest
+        self._dim_set: set[int] = set()
         if self.dtype == torch.bfloat16:  # VNNI pairs: the exact logits read a copy of their values by rows
             self.codes, self.stats, self.colsum = ext.greedy_head_pack_bf16(panels, vocab_size)
             self.panels = panels
-            self.weight = vnni_layout.rows(panels, torch.arange(vocab_size)).contiguous()
+            count, pairs = panels.shape[:2]  # [P, K / 2, 16 columns x 2] -> [V, K] (vnni_layout.rows, as one copy)
+            self.weight = panels.view(count, pairs, PANEL, 2).permute(0, 2, 1, 3).reshape(-1, 2 * pairs)[:vocab_size]
+            self.weight = self.weight.contiguous()
         else:
             weight = panels.permute(0, 2, 1).reshape(-1, panels.shape[1])[:vocab_size].contiguous()  # fp32: in order
             self.codes, self.stats = ext.greedy_head_pack(weight)
