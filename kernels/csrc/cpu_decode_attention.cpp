@@ -601,59 +601,35 @@ PC_INLINE void pv_sub(const float* w, int64_t count, const T* v, const int64_t* 
 }
 
 #if defined(__AVX512F__)
-// pv_tile for an fp32 cache, 3 heads of one KV head, head_dim 64, on AVX-512: each head's whole output row in 4
-// zmm, so one pass over the tile's positions loads each V row and broadcasts each weight once (the AVX2 tile takes
-// 4 passes of 16 columns, re-broadcasting the weights in each). Each output element is the same FMA chain over the
-// positions in order as there: bit for bit the AVX2 result. 64 sequences x 176 positions, 30 layers, 2 threads:
-// 9.5 -> 8.8 ms over cache-resident blocks, 22.4 -> 21.8 ms with the cache past the LLC.
-PC_INLINE void pv_tile_g3_d64(const float* w, int64_t count, const float* v, const int64_t* off, int64_t t0,
-                              int64_t t1, float* acc, const float* pfb, const int64_t* pf, int64_t npf,
-                              int64_t pf_len) {
-  __m512 a[3][4];
-#pragma GCC unroll 3
-  for (int h = 0; h < 3; ++h)
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) a[h][j] = _mm512_loadu_ps(acc + h * 64 + 16 * j);
-  for (int64_t t = t0; t < t1; ++t) {
-    if (t - t0 < npf) prefetch_row(pfb + pf[t - t0], pf_len);
-    const float* vr = v + off[t];
-    __m512 x[4];
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) x[j] = _mm512_loadu_ps(vr + 16 * j);
-#pragma GCC unroll 3
-    for (int h = 0; h < 3; ++h) {
-      const __m512 wt = _mm512_set1_ps(w[h * count + t]);
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) a[h][j] = _mm512_fmadd_ps(wt, x[j], a[h][j]);
-    }
-  }
-#pragma GCC unroll 3
-  for (int h = 0; h < 3; ++h)
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + h * 64 + 16 * j, a[h][j]);
+// 16 elements of a cache row as fp32, in natural order.
+PC_INLINE __m512 zrow16(const float* p) { return _mm512_loadu_ps(p); }
+PC_INLINE __m512 zrow16(const c10::BFloat16* p) {  // zero-extend, shift
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-// The same for a bf16 cache: each V row widened to 4 zmm in natural order (zero-extend, shift), the accumulators
-// kept in natural order and permuted from / to Rows<bf16> order (evens, odds of each 16 columns) at the tile's
-// ends. Each output element is the AVX2 tile's FMA chain in the same order: bit for bit its result.
-PC_INLINE void pv_tile_g3_d64(const float* w, int64_t count, const c10::BFloat16* v, const int64_t* off, int64_t t0,
-                              int64_t t1, float* acc, const c10::BFloat16* pfb, const int64_t* pf, int64_t npf,
-                              int64_t pf_len) {
+// pv_tile for an fp32 or bf16 cache, 3 heads of one KV head, head_dim 64, on AVX-512: each head's whole output row in
+// 4 zmm, so one pass over the tile's positions loads each V row and broadcasts each weight once (the AVX2 tile takes
+// 4 passes of 16 columns, re-broadcasting the weights in each). For bf16 the accumulators are permuted from / to
+// Rows<bf16> order (evens, odds of each 16 columns) at the tile's ends. Each output element is the same FMA chain
+// over the positions in order as there: bit for bit the AVX2 result. 64 sequences x 176 positions, 30 layers, 2
+// threads, fp32: 9.5 -> 8.8 ms over cache-resident blocks, 22.4 -> 21.8 ms with the cache past the LLC.
+template <typename T>
+PC_INLINE void pv_tile_g3_d64(const float* w, int64_t count, const T* v, const int64_t* off, int64_t t0, int64_t t1,
+                              float* acc, const T* pfb, const int64_t* pf, int64_t npf, int64_t pf_len) {
   const __m512i to_nat = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
   const __m512i to_rows = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  auto order = [](__m512i idx, __m512 x) { return Rows<T>::kPermuted ? _mm512_permutexvar_ps(idx, x) : x; };
   __m512 a[3][4];
 #pragma GCC unroll 3
   for (int h = 0; h < 3; ++h)
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) a[h][j] = _mm512_permutexvar_ps(to_nat, _mm512_loadu_ps(acc + h * 64 + 16 * j));
+    for (int j = 0; j < 4; ++j) a[h][j] = order(to_nat, _mm512_loadu_ps(acc + h * 64 + 16 * j));
   for (int64_t t = t0; t < t1; ++t) {
     if (t - t0 < npf) prefetch_row(pfb + pf[t - t0], pf_len);
-    const c10::BFloat16* vr = v + off[t];
+    const T* vr = v + off[t];
     __m512 x[4];
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j)
-      x[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + 16 * j))), 16));
+    for (int j = 0; j < 4; ++j) x[j] = zrow16(vr + 16 * j);
 #pragma GCC unroll 3
     for (int h = 0; h < 3; ++h) {
       const __m512 wt = _mm512_set1_ps(w[h * count + t]);
@@ -664,7 +640,7 @@ PC_INLINE void pv_tile_g3_d64(const float* w, int64_t count, const c10::BFloat16
 #pragma GCC unroll 3
   for (int h = 0; h < 3; ++h)
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + h * 64 + 16 * j, _mm512_permutexvar_ps(to_rows, a[h][j]));
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + h * 64 + 16 * j, order(to_rows, a[h][j]));
 }
 #endif
 

@@ -66,24 +66,38 @@ inline bool finite_bits(float v) {
 constexpr int64_t GR = 6;  // rows per tile
 constexpr int64_t GP = 4;  // panels per tile: GR x GP int32 accumulators
 
-// acc[r][p] = sum over k pairs of codes of panel p (at w + p * ps) times row r's pair (xp[r * K2 + kp]).
-template <int R, int P>
-__attribute__((noinline)) void approx_tile(const int32_t* xp, int64_t K2, const int8_t* w, int64_t ps, __m512i* out) {
+// acc[r][p] = sum over the steps of panel p's codes (at w + p * ps) times row r's word (xw[r * steps + i]): int16 x
+// pairs against int8 codes widened to int16 (vpdpwssd, 32 bytes of codes a step), or (U8) uint8 x quads against
+// int8 codes (vpdpbusd, 64 bytes a step; the bf16 head's).
+template <bool U8, int R, int P>
+__attribute__((noinline)) void approx_tile(const int32_t* xw, int64_t steps, const int8_t* w, int64_t ps, __m512i* out) {
   __m512i acc[R][P];
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_si512();
-  for (int64_t kp = 0; kp < K2; ++kp) {
+  for (int64_t i = 0; i < steps; ++i) {
     __m512i wv[P];
 #pragma GCC unroll 4
-    for (int p = 0; p < P; ++p)
-      wv[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * ps + kp * 32)));
+    for (int p = 0; p < P; ++p) {
+      if constexpr (U8)
+        wv[p] = _mm512_loadu_si512(w + p * ps + i * 64);
+      else
+        wv[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * ps + i * 32)));
+    }
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      const __m512i xv = _mm512_set1_epi32(xp[r * K2 + kp]);
+      const __m512i xv = _mm512_set1_epi32(xw[r * steps + i]);
 #pragma GCC unroll 4
-      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_dpwssd_epi32(acc[r][p], xv, wv[p]);
+      for (int p = 0; p < P; ++p) {
+#ifdef PC_GREEDY_HEAD_BF16
+        if constexpr (U8) {
+          acc[r][p] = _mm512_dpbusd_epi32(acc[r][p], xv, wv[p]);
+          continue;
+        }
+#endif
+        acc[r][p] = _mm512_dpwssd_epi32(acc[r][p], xv, wv[p]);
+      }
     }
   }
 #pragma GCC unroll 6
@@ -92,24 +106,25 @@ __attribute__((noinline)) void approx_tile(const int32_t* xp, int64_t K2, const 
     for (int p = 0; p < P; ++p) out[r * GP + p] = acc[r][p];
 }
 
-template <int R>
-void approx_rows(int64_t np, const int32_t* xp, int64_t K2, const int8_t* w, int64_t ps, __m512i* out) {
+template <bool U8, int R>
+void approx_rows(int64_t np, const int32_t* xw, int64_t steps, const int8_t* w, int64_t ps, __m512i* out) {
   switch (np) {
-    case 1: return approx_tile<R, 1>(xp, K2, w, ps, out);
-    case 2: return approx_tile<R, 2>(xp, K2, w, ps, out);
-    case 3: return approx_tile<R, 3>(xp, K2, w, ps, out);
-    default: return approx_tile<R, 4>(xp, K2, w, ps, out);
+    case 1: return approx_tile<U8, R, 1>(xw, steps, w, ps, out);
+    case 2: return approx_tile<U8, R, 2>(xw, steps, w, ps, out);
+    case 3: return approx_tile<U8, R, 3>(xw, steps, w, ps, out);
+    default: return approx_tile<U8, R, 4>(xw, steps, w, ps, out);
   }
 }
 
-void approx(int64_t rows, int64_t np, const int32_t* xp, int64_t K2, const int8_t* w, int64_t ps, __m512i* out) {
+template <bool U8>
+void approx(int64_t rows, int64_t np, const int32_t* xw, int64_t steps, const int8_t* w, int64_t ps, __m512i* out) {
   switch (rows) {
-    case 1: return approx_rows<1>(np, xp, K2, w, ps, out);
-    case 2: return approx_rows<2>(np, xp, K2, w, ps, out);
-    case 3: return approx_rows<3>(np, xp, K2, w, ps, out);
-    case 4: return approx_rows<4>(np, xp, K2, w, ps, out);
-    case 5: return approx_rows<5>(np, xp, K2, w, ps, out);
-    default: return approx_rows<6>(np, xp, K2, w, ps, out);
+    case 1: return approx_rows<U8, 1>(np, xw, steps, w, ps, out);
+    case 2: return approx_rows<U8, 2>(np, xw, steps, w, ps, out);
+    case 3: return approx_rows<U8, 3>(np, xw, steps, w, ps, out);
+    case 4: return approx_rows<U8, 4>(np, xw, steps, w, ps, out);
+    case 5: return approx_rows<U8, 5>(np, xw, steps, w, ps, out);
+    default: return approx_rows<U8, 6>(np, xw, steps, w, ps, out);
   }
 }
 
@@ -130,52 +145,6 @@ __m512 exact16(const float* x, int64_t K, const float* rows, const int32_t* cols
 }
 
 #ifdef PC_GREEDY_HEAD_BF16
-// acc[r][p] = sum over k quads of x's uint8 codes (row r's quad kq at xq[r * K4 + kq]) times panel p's int8 codes.
-template <int R, int P>
-__attribute__((noinline)) void approx_tile_u8(const int32_t* xq, int64_t K4, const int8_t* w, int64_t ps, __m512i* out) {
-  __m512i acc[R][P];
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_si512();
-  for (int64_t kq = 0; kq < K4; ++kq) {
-    __m512i wv[P];
-#pragma GCC unroll 4
-    for (int p = 0; p < P; ++p) wv[p] = _mm512_loadu_si512(w + p * ps + kq * 64);
-#pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) {
-      const __m512i xv = _mm512_set1_epi32(xq[r * K4 + kq]);
-#pragma GCC unroll 4
-      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_dpbusd_epi32(acc[r][p], xv, wv[p]);
-    }
-  }
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int p = 0; p < P; ++p) out[r * GP + p] = acc[r][p];
-}
-
-template <int R>
-void approx_u8_rows(int64_t np, const int32_t* xq, int64_t K4, const int8_t* w, int64_t ps, __m512i* out) {
-  switch (np) {
-    case 1: return approx_tile_u8<R, 1>(xq, K4, w, ps, out);
-    case 2: return approx_tile_u8<R, 2>(xq, K4, w, ps, out);
-    case 3: return approx_tile_u8<R, 3>(xq, K4, w, ps, out);
-    default: return approx_tile_u8<R, 4>(xq, K4, w, ps, out);
-  }
-}
-
-void approx_u8(int64_t rows, int64_t np, const int32_t* xq, int64_t K4, const int8_t* w, int64_t ps, __m512i* out) {
-  switch (rows) {
-    case 1: return approx_u8_rows<1>(np, xq, K4, w, ps, out);
-    case 2: return approx_u8_rows<2>(np, xq, K4, w, ps, out);
-    case 3: return approx_u8_rows<3>(np, xq, K4, w, ps, out);
-    case 4: return approx_u8_rows<4>(np, xq, K4, w, ps, out);
-    case 5: return approx_u8_rows<5>(np, xq, K4, w, ps, out);
-    default: return approx_u8_rows<6>(np, xq, K4, w, ps, out);
-  }
-}
-
 // The exact logits of up to 16 columns cols[0, n) for one bf16 row, as the dp tile (cpu_gemm_vnni.cpp) computes and
 // stores them: per column z = vdpbf16ps(z, x's pair, the column's pair) over the pairs in order from +0, then rounded
 // to bf16: vcvtneps2bf16 for columns of whole panels, as c10::BFloat16 does for the last, partial one. Each column's
@@ -358,11 +327,7 @@ void argmax_rows(const RowCodes& rc, int64_t B, int64_t K, int64_t V, int64_t P,
       for (int64_t r0 = 0; r0 < B; r0 += GR) {
         const int64_t rows = std::min(GR, B - r0);
         const int32_t* xw = rc.words.data() + r0 * rc.per_row;
-#ifdef PC_GREEDY_HEAD_BF16
-        if constexpr (BF16) approx_u8(rows, np, xw, rc.per_row, pc + p * ps, ps, acc);
-        else
-#endif
-          approx(rows, np, xw, rc.per_row, pc + p * ps, ps, acc);
+        approx<BF16>(rows, np, xw, rc.per_row, pc + p * ps, ps, acc);
         for (int64_t q = 0; q < np; ++q) {
           const int64_t j = (p + q) * NR;
           const __mmask16 in = V - j >= NR ? __mmask16(0xFFFF) : __mmask16((1u << (V - j)) - 1);
