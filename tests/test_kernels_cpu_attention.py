@@ -159,6 +159,32 @@ def test_cpu_decode_kernel_rows_do_not_depend_on_the_batch(dtype):
     assert not full.isnan().any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_decode_kernel_threads_share_positions_not_sequences(dtype):
+    """Threads take even shares of the step's positions (cuts between items), so short sequences first and long
+    ones last still split the work; every item is run exactly once whatever the thread count, including more
+    threads than items and one item longer than all the rest: the same bits at 2, 3 and 8 threads (the long
+    sequence's partitions depend on its length alone), the reference's values at 1."""
+    _ext_or_skip()
+    sl = sorted([5, 40, 17, 60, 33, 150, 200, 256, 240, 90]) + [2000]
+    b = make_paged_batch([1] * len(sl), sl, 9, 3, 64, 16, dtype, "cpu", seed=7)
+    b.write_new_tokens()
+    threads = torch.get_num_threads()
+    out = {}
+    try:
+        for n in (1, 2, 3, 8, 16):
+            torch.set_num_threads(n)
+            out[n] = cpu_paged_attention(b.query, b.k_cache, b.v_cache, b.metadata, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    ref = ref_paged_attention(b.query, b.k_cache, b.v_cache, b.metadata, 0.125)
+    assert all(not o.isnan().any() for o in out.values())
+    for n in (3, 8, 16):
+        assert torch.equal(out[n], out[2]), n
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    assert rel_err(out[1], ref) < tol and rel_err(out[2], ref) < tol
+
+
 def test_cpu_decode_kernel_query_dtype_differs_from_cache():
     """fp32 queries over a bf16 cache (and bf16 over fp32): the q load and the output store convert."""
     _ext_or_skip()

@@ -53,6 +53,8 @@ namespace {
 // 30 layers, 2 threads (an AVX-512 Xeon), against the share: 64 sequences x 100-250 positions 26.6 -> 25.2 ms, x 300-600 67.4 ->
 // 66.8, 2 x 1500-3000 11.0 -> 10.8, 8 x 800-2000 27.1 -> 28.8 (more partitions, combined on one thread).
 constexpr int64_t kPart = 256;
+// An item's fixed work (its query, softmax set-up, output) in positions' worth, for the threads' shares.
+constexpr int64_t kItemCost = 8;
 
 template <typename T>
 inline float to_float(T x) {
@@ -874,9 +876,26 @@ void DecodeAttention::plan(int64_t threads) {
   has_split = slots > 0;
   // Partial results of split items: [slot][head] x (max, sum, acc[d]).
   partial.assign(slots * hq * (d + 2), 0.f);
+  // Cuts at even shares of the work, an item weighing its positions plus kItemCost for its fixed part.
+  cuts.assign(threads + 1, int64_t(items.size()));
+  cuts[0] = 0;
+  int64_t work = 0, done = 0;
+  for (const DecodeItem& it : items) work += it.p1 - it.p0 + kItemCost;
+  for (int64_t i = 0, t = 1; i < int64_t(items.size()) && t < threads; ++i) {
+    const int64_t w = items[i].p1 - items[i].p0 + kItemCost;
+    // cut before item i if that lands nearer thread t's share than cutting after it
+    while (t < threads && 2 * (done + w) * threads - w * threads > 2 * work * t) cuts[t++] = i;
+    done += w;
+  }
   // Small batches run inline (grain: a chunk holds >= 2^18 query-head x position x head_dim FMAs, ~50 us here).
   const int64_t per_item = std::max<int64_t>(1, total / std::max<int64_t>(1, int64_t(items.size())));
   grain = grain_for(per_item * hq * d, 1 << 18);
+}
+
+std::pair<int64_t, int64_t> DecodeAttention::share_of(int64_t tid, int64_t nth) const {
+  if (int64_t(cuts.size()) == nth + 1) return {cuts[tid], cuts[tid + 1]};
+  const int64_t n = int64_t(items.size()), per = (n + nth - 1) / nth;  // not planned for nth: even counts
+  return {std::min(n, tid * per), std::min(n, (tid + 1) * per)};
 }
 
 void DecodeAttention::run(int64_t begin, int64_t end) const {
@@ -923,8 +942,19 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor rows, torch::Tenso
                     rows.data_ptr<int64_t>(), out.data_ptr(), n, hq, hkv, d, block_size, block_table.size(1),
                     query.stride(0), query.stride(1), float(scale), window, float(softcap), k_cache.stride(0), ks, vs,
                     scale_block_stride};
-  a.plan(at::in_parallel_region() ? 1 : at::get_num_threads());
-  at::parallel_for(0, int64_t(a.items.size()), a.grain, [&](int64_t begin, int64_t end) { a.run(begin, end); });
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  a.plan(threads);
+  const int64_t items = int64_t(a.items.size());
+  if (threads == 1 || items <= a.grain) {
+    a.run(0, items);
+  } else {
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const auto [i0, i1] = a.share_of(t, threads);
+        if (i0 < i1) a.run(i0, i1);
+      }
+    });
+  }
   a.combine();
   return out;
 }

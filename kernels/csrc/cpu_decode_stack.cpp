@@ -295,6 +295,7 @@ class DecodeStack {
         a.items = same->items;
         a.partial.assign(same->partial.size(), 0.f);
         a.has_split = same->has_split;
+        a.cuts = same->cuts;
       } else {
         a.plan(nth);
       }
@@ -372,7 +373,7 @@ class DecodeStack {
         rope_and_cache(l, qkv, cos, sin, slots, r0, r1);
 #pragma omp barrier
         DecodeAttention& a = attention[li];
-        const auto [i0, i1] = share(int64_t(a.items.size()), tid, n);
+        const auto [i0, i1] = a.share_of(tid, n);
         if (i0 < i1) a.run(i0, i1);
 #pragma omp barrier
         if (a.has_split) {
@@ -442,7 +443,7 @@ class DecodeStack {
         const auto [r0, r1] = share(T, tid, n);
         rope_and_cache(l, qkv, cos, sin, slots, r0, r1);
 #pragma omp barrier
-        const auto [i0, i1] = share(int64_t(a.items.size()), tid, n);
+        const auto [i0, i1] = a.share_of(tid, n);
         if (i0 < i1) a.run(i0, i1);
 #pragma omp barrier
         if (a.has_split && tid == 0) a.combine();

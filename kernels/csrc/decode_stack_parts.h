@@ -34,8 +34,12 @@ struct DecodeAttention {
   std::vector<float> partial;
   bool has_split = false;
   int64_t grain = 1;
+  // Thread t of the planned count runs items [cuts[t], cuts[t + 1]): even shares of positions, not of items
+  // (a step's sequences differ in length; the bench's prompts 32-256 tokens).
+  std::vector<int64_t> cuts;
 
   void plan(int64_t threads);
+  std::pair<int64_t, int64_t> share_of(int64_t tid, int64_t nth) const;  // thread tid's items of nth threads
   void run(int64_t begin, int64_t end) const;  // items [begin, end)
   void combine() const;                        // split sequences' partitions -> out (one thread)
 };
