@@ -4,6 +4,7 @@ No timing asserts: CI proves the benchmarks run and report what they measured.""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -77,8 +78,12 @@ def test_bench_linears_cli(tmp_path, capsys):
     report = json.loads(out.read_text())
     impls = {(r["impl"], r["m"]) for r in report["rows"]}
     assert ("packed", 1) in impls and ("packed", 8) in impls and ("int4", 1) in impls and ("onednn", 8) in impls
+    assert ("stack", 1) in impls and ("stack", 8) in impls
+    assert all(r["us"] > 0 and math.isfinite(r["us"]) for r in report["rows"])
     assert report["read_gbs"] > 0 and report["matmul_tflops"] > 0
     assert [t["name"] for t in report["targets"]] == ["k_proj/v_proj M=1 fraction of read bandwidth"]
+    stack_row = next(r for r in report["rows"] if (r["impl"], r["m"]) == ("stack", 1))
+    assert report["targets"][0]["value"] == round(stack_row["bw_frac"], 3)  # the row the engine's decode runs
 
 
 def test_linear_shapes_of_smollm2(smollm2_dir):
@@ -88,6 +93,7 @@ def test_linear_shapes_of_smollm2(smollm2_dir):
     assert shapes["q_proj"] == (576, 576) and shapes["k_proj/v_proj"] == (192, 576)
     assert shapes["gate_proj/up_proj"] == (1536, 576) and shapes["down_proj"] == (576, 1536)
     assert shapes["lm_head"] == (49152, 576)
+    assert shapes["qkv (fused)"] == (960, 576) and shapes["gate_up (fused)"] == (3072, 576)
 
 
 def test_linear_targets():
@@ -102,3 +108,6 @@ def test_linear_targets():
     assert [(t["name"], t["value"], t["met"]) for t in got] == [("q M=1 fraction of read bandwidth", 0.85, True),
                                                                 ("q M=512 fraction of matmul peak", 0.9, True)]
     assert [t["value"] for t in linears.targets(rows, torch.float32, onednn_rows=3)] == [0.85, 0.5]
+    # Where the stack's row was timed, decode's M=1 target is that row (the prompt's M=512 stays the panels').
+    rows = [row(1, "packed", 0.7, 0.0), row(1, "stack", 0.82, 0.0), row(512, "packed", 0.0, 0.9)]
+    assert [(t["value"], t["met"]) for t in linears.targets(rows)] == [(0.82, True), (0.9, True)]

@@ -115,6 +115,55 @@ StackLinear make_linear(torch::Tensor packed, c10::optional<torch::Tensor> scale
   return l;
 }
 
+// Thread rows [r0, r1) of x into w's input tiles (whole GEMM input tiles, so the thread also prepares them).
+inline void fill_rows(const PackedWeight& w, GemmInput& g, at::ScalarType xt, const void* x, int64_t r0, int64_t r1) {
+  if (r0 < r1) gemm_input_fill(w, xt, x, g, g.int8 ? r0 : r0 / TILE, g.int8 ? r1 : (r1 + TILE - 1) / TILE);
+}
+
+// Seconds per call of y = x W^T run as the stack runs its linears (bench linears' "stack" rows): `calls` calls in one
+// parallel region, cycling through `weights` (one shape, packed panels or VNNI pairs), each call's input tiles filled
+// by the threads' rows, then its panels shared out, a barrier after each: no op dispatch, allocation or fork/join.
+double time_stack_linears(torch::Tensor x, std::vector<torch::Tensor> weights, int64_t out_features, int64_t calls) {
+  TORCH_CHECK(!weights.empty() && calls > 0, "time_stack_linears: weights and calls");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x: contiguous [M, K], float32 or bfloat16");
+  std::vector<PackedWeight> ls;  // as make_linear builds them, without its scan of fp32 panels for a 4-bit grid
+  for (const auto& p : weights) {
+    TORCH_CHECK(p.is_contiguous() && p.dim() == 3 && p.size(0) * 16 >= out_features &&
+                    (p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16),
+                "weights: fp32 or bf16 panels or VNNI pairs");
+    const bool vnni = packed_is_vnni(p);
+    ls.push_back({p.scalar_type(), p.data_ptr(), nullptr, nullptr, out_features, vnni ? 2 * p.size(1) : p.size(1), 0, 0,
+                  false, false, vnni});
+  }
+  const int64_t T = x.size(0), nl = int64_t(ls.size());
+  TORCH_CHECK(x.size(1) == ls[0].K && std::all_of(ls.begin(), ls.end(), [&](const PackedWeight& w) { return w.K == ls[0].K; }),
+              "x: [M, K] against the weights' K");
+  const auto xt = x.scalar_type();
+  auto y = torch::empty({T, out_features}, x.options());
+  const void* xp = x.data_ptr();
+  void* yp = y.data_ptr();
+  GemmInput in;
+  gemm_input_resize(ls[0], T, in, xt == at::kFloat ? x.data_ptr<float>() : nullptr);
+  const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), omp_get_max_threads()));
+  const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(nth)
+  {
+    const int64_t tid = omp_get_thread_num(), n = omp_get_num_threads();
+    std::vector<float> wbuf;
+    const auto [r0, r1] = share(T, tid, n, TILE);
+    for (int64_t c = 0; c < calls; ++c) {
+      const PackedWeight& w = ls[c % nl];
+      fill_rows(w, in, xt, xp, r0, r1);
+#pragma omp barrier
+      const auto [p0, p1] = share(w.panels(), tid, n);
+      if (p0 < p1) gemm_panels(w, in, xt, yp, p0, p1, wbuf);
+#pragma omp barrier
+    }
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / double(calls);
+}
+
 class DecodeStack {
  public:
   DecodeStack(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate)
@@ -346,9 +395,7 @@ class DecodeStack {
       };
       // Rows of this thread in whole GEMM input tiles, so it also prepares those tiles (no barrier between).
       const auto [r0, r1] = share(T, tid, n, TILE);
-      auto fill = [&](const PackedWeight& w, GemmInput& g, const X* x) {
-        if (r0 < r1) gemm_input_fill(w, xt, x, g, g.int8 ? r0 : r0 / TILE, g.int8 ? r1 : (r1 + TILE - 1) / TILE);
-      };
+      auto fill = [&](const PackedWeight& w, GemmInput& g, const X* x) { fill_rows(w, g, xt, x, r0, r1); };
       auto matmul = [&](const PackedWeight& w, const GemmInput& g, X* y) {
         const auto [p0, p1] = share(w.panels(), tid, n);
         if (p0 < p1) gemm_panels(w, g, xt, y, p0, p1, wbuf);
@@ -481,6 +528,8 @@ class DecodeStack {
 }  // namespace
 
 void bind_decode_stack(py::module& m) {
+  m.def("time_stack_linears", &time_stack_linears, py::call_guard<py::gil_scoped_release>(),
+        "seconds per call of x @ W^T over packed weights, run as the decode stack runs its linears (bench linears)");
   py::class_<DecodeStack>(m, "DecodeStack",
                           "A Llama-family decoder stack over packed weights, run for decode rows in one call")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t>(), py::arg("hidden"), py::arg("heads"),

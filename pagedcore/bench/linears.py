@@ -4,7 +4,10 @@ engine runs it, against the machine's read bandwidth and matmul peak measured in
 Small M is bound by reading the weight: the row reports GB/s of weight read against the bandwidth.
 Large M is bound by arithmetic: TFLOP/s against the matmul peak. Each shape cycles through enough
 copies of its weight (`--copies-mib`, 512: some CPUs here have hundreds of MB of L3) that every call reads it
-from memory, as a decode step over 30 layers does. Rows: `packed` (pagedcore's pre-packed kernel, in the layout
+from memory, as a decode step over 30 layers does. Shapes: the model's, and the fused q/k/v and gate/up the engine
+runs in their place. Rows: `stack` (the packed kernel run as the decode stack runs it at decode: calls in one
+parallel region, a barrier after each, no op dispatch or allocation: the engine's decode rows),
+`packed` (pagedcore's pre-packed kernel as one op a call, as a prompt's layers run it; in the layout
 the engine packs: bf16 in VNNI pairs where AMX or AVX512-BF16 runs, else 16-column panels),
 `onednn` (oneDNN's pre-packed matmul, bf16: what the engine runs from onednn_linear.ROWS rows on AMX CPUs;
 the targets take whichever the engine runs at each M), `F.linear`
@@ -51,7 +54,9 @@ def model_shapes(hf_config) -> dict[str, tuple[int, int]]:
     hd = getattr(c, "head_dim", None) or c.hidden_size // heads
     h, i = c.hidden_size, c.intermediate_size
     return {"q_proj": (heads * hd, h), "k_proj/v_proj": (kv * hd, h), "o_proj": (h, heads * hd),
-            "gate_proj/up_proj": (i, h), "down_proj": (h, i), "lm_head": (c.vocab_size, h)}
+            "gate_proj/up_proj": (i, h), "down_proj": (h, i), "lm_head": (c.vocab_size, h),
+            # what the engine runs in their place (fused_projections.py)
+            "qkv (fused)": ((heads + 2 * kv) * hd, h), "gate_up (fused)": (2 * i, h)}
 
 
 def _time(fn, calls: int, seconds: float) -> float:
@@ -69,6 +74,15 @@ def _time(fn, calls: int, seconds: float) -> float:
             return best
 
 
+def _time_in_region(call, seconds: float) -> float:
+    """Best of repeated `call()`s, each returning its own seconds per linear (ext.time_stack_linears)."""
+    best, t_end = math.inf, time.perf_counter() + seconds
+    while True:
+        best = min(best, call())
+        if time.perf_counter() >= t_end:
+            return best
+
+
 def bench_shape(name, n, k, ms, dtype, impls, bw_gbs, peak_tflops, seconds, repeats=1, copies_mib=512) -> list[Row]:
     from pagedcore import onednn_linear, vnni_layout
     from pagedcore.kernels import cpu_ext
@@ -78,12 +92,17 @@ def bench_shape(name, n, k, ms, dtype, impls, bw_gbs, peak_tflops, seconds, repe
     elem = torch.empty((), dtype=dtype).element_size()
     copies = max(2, math.ceil(copies_mib * 2**20 / (n * k * elem)))
     weights = [(torch.randn(n, k) * 0.02).to(dtype) for _ in range(copies)]
-    runners = {}
-    if "packed" in impls and ext is not None:
+    runners, timers = {}, {}  # timers: impls timed by a call of their own (seconds per linear), not _time
+    if ("packed" in impls or "stack" in impls) and ext is not None:
         # as the engine packs them (packed_linear.py): bf16 in VNNI pairs where AMX or AVX512-BF16 runs
         packed = [ext.pack_linear_weight_vnni(w) if vnni_layout.applies(ext, w) else ext.pack_linear_weight(w)
                   for w in weights]
-        runners["packed"] = (lambda x, j: ext.packed_linear(x, packed[j % copies], n), n * k * elem)
+        if "packed" in impls:
+            runners["packed"] = (lambda x, j: ext.packed_linear(x, packed[j % copies], n), n * k * elem)
+        if "stack" in impls:
+            runners["stack"] = (lambda x, j: ext.time_stack_linears(x, [packed[j % copies]], n, 1), n * k * elem)
+            timers["stack"] = lambda x, seconds: _time_in_region(
+                lambda: ext.time_stack_linears(x, packed, n, max(copies, 32)), seconds)
     if "onednn" in impls and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
         reordered = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
         runners["onednn"] = (lambda x, j: onednn_linear.linear(x, reordered[j % copies], None), n * k * elem)
@@ -115,7 +134,10 @@ def bench_shape(name, n, k, ms, dtype, impls, bw_gbs, peak_tflops, seconds, repe
         best = dict.fromkeys(live, math.inf)
         for _ in range(repeats):
             for impl, (fn, _nbytes) in live.items():
-                best[impl] = min(best[impl], _time(lambda j: fn(x, j), 32, seconds / repeats))
+                if impl in timers:
+                    best[impl] = min(best[impl], timers[impl](x, seconds / repeats))
+                else:
+                    best[impl] = min(best[impl], _time(lambda j: fn(x, j), 32, seconds / repeats))
         for impl, (_fn, nbytes) in live.items():
             dt = best[impl]
             gbs, tflops = nbytes / dt / 1e9, 2 * m * n * k / dt / 1e12
@@ -123,17 +145,21 @@ def bench_shape(name, n, k, ms, dtype, impls, bw_gbs, peak_tflops, seconds, repe
     return rows
 
 
-def engine_impl(m: int, dtype: torch.dtype, onednn_rows: int | None) -> str:
-    """The row the engine runs at `m` rows: oneDNN from onednn_rows rows (bf16), else the panels."""
-    return "onednn" if dtype == torch.bfloat16 and onednn_rows is not None and m >= onednn_rows else "packed"
+def engine_impl(m: int, dtype: torch.dtype, onednn_rows: int | None, stack: bool = False) -> str:
+    """The row the engine runs at `m` rows: oneDNN from onednn_rows rows (bf16, AMX CPUs); a decode row in the
+    decode stack's region (decode_stack.py: the bundled model's family) where that row was timed; else the panels
+    as one op each (a prompt's rows, layer by layer)."""
+    if dtype == torch.bfloat16 and onednn_rows is not None and m >= onednn_rows:
+        return "onednn"
+    return "stack" if stack and m == 1 else "packed"
 
 
 def targets(rows: list[Row], dtype: torch.dtype = torch.float32, onednn_rows: int | None = None) -> list[dict]:
     """Issue 13: each shape at M=1 >= 80% of the read bandwidth, at M=512 >= 85% of the matmul peak
-    (what the engine runs there: the panels, or oneDNN on AMX CPUs)."""
-    out = []
+    (what the engine runs there: the stack's region at M=1, the panels or oneDNN on AMX CPUs at 512)."""
+    out, stack = [], any(r.impl == "stack" for r in rows)
     for r in rows:
-        if r.m not in (1, 512) or r.impl != engine_impl(r.m, dtype, onednn_rows):
+        if r.m not in (1, 512) or r.impl != engine_impl(r.m, dtype, onednn_rows, stack):
             continue
         value, want = (r.bw_frac, 0.80) if r.m == 1 else (r.peak_frac, 0.85)
         what = "read bandwidth" if r.m == 1 else "matmul peak"
@@ -188,8 +214,8 @@ def add_parser(bsub) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--m", default="1,8,64,512", help="comma list of row counts")
     p.add_argument("--shapes", default=None, help="comma list of shape names (default: all)")
-    p.add_argument("--impls", default="packed,onednn,F.linear,int4",
-                   help="comma list of packed, onednn, F.linear, int4, int4-fp32")
+    p.add_argument("--impls", default="stack,packed,onednn,F.linear,int4",
+                   help="comma list of stack, packed, onednn, F.linear, int4, int4-fp32")
     p.add_argument("--seconds", type=float, default=0.5, help="timing budget per row")
     p.add_argument("--repeats", type=int, default=1, help="alternate the rows of a shape this many times, best of each")
     p.add_argument("--copies-mib", type=float, default=512,
