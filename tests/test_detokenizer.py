@@ -208,3 +208,27 @@ def test_decode_window_is_bounded_on_invalid_utf8(tok):
         assert window <= 16
     window, _ = max_decode_window(tok, [rng.choice(garbage) for _ in range(3000)], sizes=[5, 1, 7])
     assert window <= 16
+
+
+def test_fast_decode_is_the_rust_tokenizers_and_equals_transformers(tok, sp_tok):
+    """Windows decode through the Rust tokenizer itself where transformers' decode would only call it; a
+    tokenizer whose _decode is its own keeps transformers' path."""
+    from pagedcore.detokenizer import fast_decode
+
+    rng = random.Random(3)
+    for t in (tok, sp_tok):
+        fast = fast_decode(t)
+        assert fast is not None and IncrementalDetokenizer(t, [1, 2])._fast is not None
+        specials = sorted(t.all_special_ids)
+        for _ in range(200):
+            ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(len(t)) for _ in range(rng.randint(0, 9))]
+            for skip in (True, False):
+                assert fast(ids, skip_special_tokens=skip) == full_decode(t, ids, skip)
+
+    class OwnDecode(type(tok)):
+        def _decode(self, token_ids, **kwargs):
+            return "x"
+
+    own = object.__new__(OwnDecode)
+    own.__dict__.update(tok.__dict__)
+    assert fast_decode(own) is None and fast_decode(CountingTokenizer(tok)) is None
