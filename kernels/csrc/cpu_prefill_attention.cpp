@@ -11,6 +11,9 @@
 // row and its keys, not on which rows share the call: a prompt computed after a prefix-cache hit or in chunks gets
 // the values it gets in one piece (with int8 KV, SDPA's causal path against a masked one differed in last bits that
 // moved quantized K/V a step, and greedy runs parted).
+// bf16 queries over a bf16 cache where AVX512-BF16 runs take run_item_dp instead: both products on vdpbf16ps (K and V
+// packed as bf16 pairs, P rounded to bf16 as torch's flash kernel and the decode kernel round it, divided by its
+// rounded sum). 14 prompts of 32-256 tokens, one layer, Zen 4: 3.98 -> 2.46 ms; against fp64 1.58e-3 -> 1.88e-3.
 #include "ops.h"
 #include "zmm_tile.h"
 
@@ -79,8 +82,140 @@ inline float softmax_row(float* s, int64_t n, float scale) {
 // Scratch of one thread, reused across items (sized for the longest sequence).
 struct Scratch {
   std::vector<float> kp, vp, qp, s;
+  std::vector<uint32_t> kb, vb;  // run_item_dp: K and V as bf16 pairs
+  std::vector<c10::BFloat16> pb;  // run_item_dp: P rows in bf16
   float c[PZ * MR * NR];
 };
+
+#if defined(__AVX512BF16__)
+// bf16 queries over a bf16 cache on vdpbf16ps (run_item_dp). Both products as dot products of bf16 pairs with fp32
+// sums: S = q K^T over pairs of head dims (q's pairs as they lie, K packed [16-key panels][D / 2][16 keys]), and
+// O = P V over pairs of keys (P rounded to bf16, as torch's CPU flash attention rounds it, and as the decode kernel
+// does; V packed [16-column panels][keys / 2][16 columns]). A tile: R <= 6 rows x NP <= 4 panels of 16.
+#define PC_DP_INLINE inline __attribute__((always_inline))
+template <int R, int NP>
+PC_DP_INLINE void dp_tile(const uint32_t* a, int64_t a_stride, const uint32_t* b, int64_t b_stride, int64_t pairs,
+                          float* c, int64_t c_stride) {
+  __m512 acc[R][NP];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < pairs; ++i) {
+    __m512bh bv[NP];
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) bv[p] = (__m512bh)_mm512_loadu_si512(b + p * b_stride + i * 16);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(int(a[r * a_stride + i]));
+#pragma GCC unroll 4
+      for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], av, bv[p]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(c + r * c_stride + p * 16, acc[r][p]);
+}
+
+template <int NP>
+void dp_tile_rows(int64_t R, const uint32_t* a, int64_t as, const uint32_t* b, int64_t bs, int64_t pairs, float* c,
+                  int64_t cs) {
+  switch (R) {
+    case 1: return dp_tile<1, NP>(a, as, b, bs, pairs, c, cs);
+    case 2: return dp_tile<2, NP>(a, as, b, bs, pairs, c, cs);
+    case 3: return dp_tile<3, NP>(a, as, b, bs, pairs, c, cs);
+    case 4: return dp_tile<4, NP>(a, as, b, bs, pairs, c, cs);
+    case 5: return dp_tile<5, NP>(a, as, b, bs, pairs, c, cs);
+    default: return dp_tile<6, NP>(a, as, b, bs, pairs, c, cs);
+  }
+}
+
+// c[r][p * 16 + 0..16) = sum over pairs i of a[r * as + i] . b[p * bs + i * 16 + 0..16) (bf16 pairs), R rows x NP panels.
+void dp_tiles(int64_t R, int64_t NP, const uint32_t* a, int64_t as, const uint32_t* b, int64_t bs, int64_t pairs,
+              float* c, int64_t cs) {
+  switch (NP) {
+    case 1: return dp_tile_rows<1>(R, a, as, b, bs, pairs, c, cs);
+    case 2: return dp_tile_rows<2>(R, a, as, b, bs, pairs, c, cs);
+    case 3: return dp_tile_rows<3>(R, a, as, b, bs, pairs, c, cs);
+    default: return dp_tile_rows<4>(R, a, as, b, bs, pairs, c, cs);
+  }
+}
+
+void run_item_dp(const Prefill& a, int64_t seq, int64_t g, int64_t q0, int64_t q1, int64_t len, Scratch& w) {
+  using T = c10::BFloat16;
+  const int64_t D = a.d, D2 = D / 2, ql = q1 - q0, off = len - ql, lp = (len + NR - 1) / NR * NR, dp = D / NR;
+  const T* kc = static_cast<const T*>(a.k);
+  const T* vc = static_cast<const T*>(a.v);
+  const int32_t* bt = a.block_table + seq * a.max_blocks;
+  w.kb.assign(lp * D2, 0u);
+  w.vb.assign(D * lp / 2, 0u);
+  w.s.resize(MR * lp);
+  w.pb.resize(MR * lp);
+  uint16_t* vh = reinterpret_cast<uint16_t*>(w.vb.data());
+  constexpr int64_t AHEAD = 8;
+  for (int64_t j = 0; j < len; ++j) {
+    if (j + AHEAD < len) {
+      const int64_t n = j + AHEAD;
+      const int64_t at = bt[n / a.block_size] * a.block_stride + (n % a.block_size * a.hkv + g) * D;
+      for (int64_t b = 0; b < D * int64_t(sizeof(T)); b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(kc + at) + b, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vc + at) + b, _MM_HINT_T0);
+      }
+    }
+    const int64_t at = bt[j / a.block_size] * a.block_stride + (j % a.block_size * a.hkv + g) * D;
+    const uint32_t* kr = reinterpret_cast<const uint32_t*>(kc + at);
+    const uint16_t* vr = reinterpret_cast<const uint16_t*>(vc + at);
+    uint32_t* kd = w.kb.data() + (j / NR) * D2 * NR + j % NR;
+    for (int64_t i = 0; i < D2; ++i) kd[i * NR] = kr[i];
+    for (int64_t p = 0; p < dp; ++p) {
+      uint16_t* vd = vh + (p * (lp / 2) + j / 2) * 2 * NR + (j & 1);
+      for (int64_t e = 0; e < NR; ++e) vd[2 * e] = vr[p * NR + e];
+    }
+  }
+  const T* q = static_cast<const T*>(a.q);
+  T* out = static_cast<T*>(a.out);
+  const int64_t group = a.hq / a.hkv, qs = a.q_stride / 2;
+  for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+    for (int64_t r0 = 0; r0 < ql; r0 += MR) {
+      const int64_t R = std::min(MR, ql - r0), kmax = off + r0 + R, kpanels = (kmax + NR - 1) / NR;
+      const uint32_t* qa = reinterpret_cast<const uint32_t*>(q + (q0 + r0) * a.q_stride + h * D);
+      for (int64_t p = 0; p < kpanels; p += PZ)  // S[r][keys] = q_r . k_key
+        dp_tiles(R, std::min(PZ, kpanels - p), qa, qs, w.kb.data() + p * D2 * NR, D2 * NR, D2, w.s.data() + p * NR, lp);
+      const int64_t kpairs = (kmax + 1) / 2;
+      float inv[MR];
+      for (int64_t r = 0; r < R; ++r) {  // softmax over the keys row r sees; P in bf16, divided by its rounded sum
+        float* sr = w.s.data() + r * lp;
+        T* pr = w.pb.data() + r * lp;
+        const int64_t vis = off + r0 + r + 1;
+        softmax_row(sr, vis, a.scale);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < 2 * kpairs; j += 16) {
+          const int64_t n = std::min<int64_t>(16, vis - j);
+          const __mmask16 m = n >= 16 ? __mmask16(0xFFFF) : n > 0 ? __mmask16((1u << n) - 1) : __mmask16(0);
+          const __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, sr + j));  // the keys after it: 0
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), b);
+          sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+        }
+        inv[r] = 1.f / _mm512_reduce_add_ps(sum);
+      }
+      const uint32_t* pa = reinterpret_cast<const uint32_t*>(w.pb.data());
+      for (int64_t p = 0; p < dp; p += PZ) {  // O[r][columns] = sum over key pairs of P[r][pair] . v_pair
+        const int64_t np = std::min(PZ, dp - p);
+        dp_tiles(R, np, pa, lp / 2, w.vb.data() + p * (lp / 2) * NR, (lp / 2) * NR, kpairs, w.c, PZ * NR);
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t t = 0; t < np; ++t) {
+            T* o = out + (q0 + r0 + r) * a.out_stride + h * D + (p + t) * NR;
+            const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(w.c + r * PZ * NR + t * NR), _mm512_set1_ps(inv[r]));
+            alignas(64) float cr[NR];
+            _mm512_store_ps(cr, v);
+            for (int64_t e = 0; e < NR; ++e) o[e] = static_cast<T>(cr[e]);
+          }
+      }
+    }
+  }
+}
+#endif
 
 template <typename T, typename C>
 void run_item(const Prefill& a, int64_t seq, int64_t g, int64_t q0, int64_t q1, int64_t len, Scratch& w) {
@@ -258,7 +393,11 @@ void paged_prefill(torch::Tensor query, torch::Tensor out, torch::Tensor k_cache
         else if (cache_type == at::kFloat8_e4m3fn)
           run_item<c10::BFloat16, c10::Float8_e4m3fn>(a, s, g, q0, q1, len, w);
         else
+#if defined(__AVX512BF16__)
+          run_item_dp(a, s, g, q0, q1, len, w);
+#else
           run_item<c10::BFloat16, c10::BFloat16>(a, s, g, q0, q1, len, w);
+#endif
       }
     }
   }
