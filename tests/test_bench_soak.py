@@ -18,7 +18,7 @@ def test_short_soak_of_both_doors_completes_refuses_and_leaks_nothing(tmp_path, 
     r = subprocess.run([sys.executable, "-m", "pagedcore.cli", "bench", "soak", "--frontend", "bentoml,triton",
                         "--requests", "100", "--concurrency", "16", "--burst-every", "50", "--burst-size", "24",
                         "--cancel-rate", "0.2", "--max-concurrent-requests", "20", "--max-input-tokens", "64",
-                        "--max-output", "16", "--model", str(tiny_model_dir("llama")), "--num-threads", "1",
+                        "--max-output", "64", "--model", str(tiny_model_dir("llama")), "--num-threads", "1",
                         "--num-kv-blocks", "256", "--max-model-len", "256", "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

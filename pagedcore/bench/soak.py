@@ -78,7 +78,10 @@ async def run_load(client, requests: list[SoakRequest], cfg: SoakConfig) -> tupl
         async with sem:
             if not req.burst:
                 return [await client.run(req, cfg.request_timeout)]
-            extra = [SoakRequest(**{**asdict(req), "burst": False, "cancel_after": None})
+            # The longest answers, whatever the model says: a burst of short ones could drain as fast
+            # as it arrives on a tiny model and never overload anything.
+            extra = [SoakRequest(**{**asdict(req), "burst": False, "cancel_after": None,
+                                    "max_tokens": cfg.max_output, "ignore_eos": True})
                      for _ in range(cfg.burst_size)]
             return list(await asyncio.gather(*(client.run(r, cfg.request_timeout) for r in [req, *extra])))
 

@@ -26,6 +26,7 @@ class SoakRequest:
     too_long: bool = False  # over the server's input limit: must be refused as invalid
     cancel_after: float | None = None  # seconds; the client gives up then
     burst: bool = False
+    ignore_eos: bool = False  # burst copies run their whole max_tokens: they must overlap to overload
 
 
 @dataclass
@@ -90,6 +91,8 @@ class OpenAISoakClient:
 
     async def _send(self, req: SoakRequest, out: Outcome) -> None:
         kw = dict(model=self.model, prompt=req.prompt, max_tokens=req.max_tokens, temperature=0.0)
+        if req.ignore_eos:
+            kw["extra_body"] = {"ignore_eos": True}
         if not req.stream:
             r = await self.client.completions.create(**kw)
             out.output_tokens = r.usage.completion_tokens
@@ -158,7 +161,7 @@ def _inputs(req: SoakRequest) -> list:
         t.set_data_from_numpy(np.array([value], dtype=object if dtype == "BYTES" else bool))
         return t
 
-    params = json.dumps({"temperature": 0.0, "max_tokens": req.max_tokens}).encode()
+    params = json.dumps({"temperature": 0.0, "max_tokens": req.max_tokens, "ignore_eos": req.ignore_eos}).encode()
     return [tensor("text_input", req.prompt.encode(), "BYTES"), tensor("stream", req.stream, "BOOL"),
             tensor("sampling_parameters", params, "BYTES"), tensor("return_num_output_tokens", True, "BOOL")]
 
