@@ -54,6 +54,7 @@ class Comm:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.store, self.check = store, check
         self.stats = CommStats()
+        self._last_work = {}  # each group's last work (see _wait)
         self.barrier("connect")  # start-up may take long (a cold import): not bounded by the op timeout
         tp_timeout = datetime.timedelta(seconds=timeout)
         self.control = _gloo(dist.PrefixStore("control", store), rank, world_size, tp_timeout, gloo_host)
@@ -85,7 +86,7 @@ class Comm:
         """Sum of `x` over the ranks (out of place when the dtype goes through fp32)."""
         t0 = time.perf_counter()
         buf = x.float() if x.device.type == "cpu" and x.dtype != torch.float32 else x.contiguous()
-        self.tp.allreduce([buf]).wait()
+        self._wait(self.tp, self.tp.allreduce([buf]))
         out = buf.to(x.dtype) if buf.dtype != x.dtype else buf
         self._time("all_reduce", t0, buf)
         return out
@@ -94,7 +95,7 @@ class Comm:
         """Every rank's `x` (each padded to the same width) concatenated on the last dim, cut to `size`."""
         t0 = time.perf_counter()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        self.tp.allgather([[_raw(p) for p in parts]], [_raw(x.contiguous())]).wait()
+        self._wait(self.tp, self.tp.allgather([[_raw(p) for p in parts]], [_raw(x.contiguous())]))
         out = torch.cat(parts, -1)[..., :size]
         self._time("all_gather", t0, x)
         return out
@@ -107,17 +108,26 @@ class Comm:
         x = x.contiguous()
         if self.device.type == "cuda":  # NCCL gathers through its own path; the logits are small
             parts = [torch.empty_like(x) for _ in range(self.world_size)]
-            self.tp.allgather([parts], [x]).wait()
+            self._wait(self.tp, self.tp.allgather([parts], [x]))
             out = torch.cat(parts, -1)[..., :size] if self.rank == 0 else None
         elif self.rank == 0:
             parts = [torch.empty_like(x) for _ in range(self.world_size)]
-            self.tp.gather([[_raw(p) for p in parts]], [_raw(x)], opts).wait()
+            self._wait(self.tp, self.tp.gather([[_raw(p) for p in parts]], [_raw(x)], opts))
             out = torch.cat(parts, -1)[..., :size]
         else:
-            self.tp.gather([], [_raw(x)], opts).wait()
+            self._wait(self.tp, self.tp.gather([], [_raw(x)], opts))
             out = None
         self._time("gather", t0, x)
         return out
+
+    def _wait(self, group, work) -> None:
+        """Wait for `work` and hold it until the group's next one. gloo's worker thread drops its own reference
+        just after the work completes; were that the last one, the work's tensors (Python objects) would be
+        freed on that thread, which takes the GIL for it: during interpreter exit a thread taking the GIL
+        is ended mid-destructor and the process aborts ("terminate called without an active exception",
+        torchrun ranks leaving their script). Held here, the last work is freed by Python, on its thread."""
+        work.wait()
+        self._last_work[group is self.tp] = work
 
     def _time(self, op: str, t0: float, x: torch.Tensor) -> None:
         if self._cuda_timing:
@@ -133,22 +143,22 @@ class Comm:
             size = torch.tensor([payload.numel()], dtype=torch.int64)
         else:
             size = torch.zeros(1, dtype=torch.int64)
-        self.control.broadcast([size], _root(0)).wait()
+        self._wait(self.control, self.control.broadcast([size], _root(0)))
         if self.rank != 0:
             payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        self.control.broadcast([payload], _root(0)).wait()
+        self._wait(self.control, self.control.broadcast([payload], _root(0)))
         return obj if self.rank == 0 else pickle.loads(payload.numpy().tobytes())
 
     def gather_objects(self, obj) -> list | None:
         """Rank 0: every rank's `obj`, by rank; other ranks: None."""
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        self.control.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)]).wait()
+        self._wait(self.control, self.control.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)]))
         width = max(int(s.item()) for s in sizes)
         buf = torch.zeros(width, dtype=torch.uint8)
         buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         parts = [torch.empty(width, dtype=torch.uint8) for _ in range(self.world_size)]
-        self.control.allgather([parts], [buf]).wait()
+        self._wait(self.control, self.control.allgather([parts], [buf]))
         if self.rank != 0:
             return None
         return [pickle.loads(p[:int(s.item())].numpy().tobytes()) for p, s in zip(parts, sizes)]
@@ -158,7 +168,7 @@ class Comm:
         t = torch.tensor([value], dtype=torch.int64)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
-        self.control.allreduce([t], opts).wait()
+        self._wait(self.control, self.control.allreduce([t], opts))
         return int(t.item())
 
 
