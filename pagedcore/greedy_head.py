@@ -52,6 +52,8 @@ class GreedyHead:
             count, pairs = panels.shape[:2]  # [P, K / 2, 16 columns x 2] -> [V, K] (vnni_layout.rows, as one copy)
             self.weight = panels.view(count, pairs, PANEL, 2).permute(0, 2, 1, 3).reshape(-1, 2 * pairs)[:vocab_size]
             self.weight = self.weight.contiguous()
+            # A tied input embedding looks its rows up here too (packed_linear._panel_lookup): plain rows, not pairs.
+            head._pagedcore_rows = (panels, self.weight)
         else:
             weight = panels.permute(0, 2, 1).reshape(-1, panels.shape[1])[:vocab_size].contiguous()  # fp32: in order
             self.codes, self.stats = ext.greedy_head_pack(weight)

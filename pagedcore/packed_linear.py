@@ -16,6 +16,7 @@ packed in VNNI pairs instead of panels, for the same op (vnni_layout.py).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedcore import installs, onednn_linear, vnni_layout
@@ -71,6 +72,9 @@ def _panel_lookup(linear: nn.Linear):
 
     def forward(ids: torch.Tensor) -> torch.Tensor:
         packed = linear._pagedcore_packed
+        rows = linear.__dict__.get("_pagedcore_rows")
+        if rows is not None and rows[0] is packed:  # the greedy head's row copy of these very pairs: ~10x faster
+            return F.embedding(ids, rows[1])
         if vnni_layout.is_packed(packed):
             return vnni_layout.rows(packed, ids)
         return packed[ids // PANEL, :, slots[ids % PANEL]]
@@ -85,6 +89,7 @@ def restore(model: nn.Module) -> int:
         if hasattr(module, "_pagedcore_packed"):
             del module._pagedcore_packed
             module.__dict__.pop("_pagedcore_onednn", None)
+            module.__dict__.pop("_pagedcore_rows", None)
             module.__dict__.pop("forward", None)
             count += 1
     return count

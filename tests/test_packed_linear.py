@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedcore import LLM, SamplingParams, installs, packed_linear
+from pagedcore import LLM, SamplingParams, installs, packed_linear, vnni_layout
 
 # Row counts cover every micro-kernel tile height (1-6), a cache block boundary (96) and more.
 ROWS = [1, 2, 3, 4, 5, 6, 7, 13, 97, 200]
@@ -295,6 +295,34 @@ def test_panel_lookup_equals_the_embedding(ext, dtype):
         torch.testing.assert_close(model.embed(ids), want, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match=f"keeps only its packed {dtype} CPU weight"):
         model.head(torch.randn(2, 24, dtype=torch.float64))
+
+
+def test_panel_lookup_reads_the_greedy_heads_row_copy(ext):
+    """Where the bf16 greedy head keeps a row copy of the pairs, a tied embedding looks its rows up there (the same
+    values); once the head's weight is re-packed the copy is not that weight's any more and the pairs serve."""
+    from pagedcore.greedy_head import GreedyHead
+
+    if not (vnni_layout.enabled(ext) and ext.greedy_head_bf16_supported()):
+        pytest.skip("the bf16 greedy head runs on AVX512-BF16 CPUs without AMX")
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(40, 64, dtype=torch.bfloat16)
+    model.lm_head = torch.nn.Linear(64, 40, bias=False, dtype=torch.bfloat16)
+    model.lm_head.weight = model.embed.weight
+    ids = torch.tensor([[0, 15, 16, 39], [7, 7, 31, 32]])
+    want = model.embed(ids)
+    packed_linear.install(model, torch.device("cpu"))
+    packed_linear.release_dense(model)
+    head = GreedyHead(ext, model.lm_head, 40)
+    rows = model.lm_head._pagedcore_rows
+    assert rows[0] is model.lm_head._pagedcore_packed and rows[1] is head.weight
+    with torch.inference_mode():
+        torch.testing.assert_close(model.embed(ids), want, rtol=0, atol=0)
+        model.lm_head._pagedcore_rows = (rows[0], torch.zeros_like(rows[1]))  # read: the lookup returns zeros
+        assert not model.embed(ids).any()
+        model.lm_head._pagedcore_packed = rows[0].clone()  # re-packed: the copy is stale, the pairs serve
+        torch.testing.assert_close(model.embed(ids), want, rtol=0, atol=0)
+    assert packed_linear.restore(model) >= 1 and "_pagedcore_rows" not in vars(model.lm_head)
 
 
 def test_a_lent_model_keeps_its_dense_weights(ext):
