@@ -185,6 +185,40 @@ def test_cpu_decode_kernel_threads_share_positions_not_sequences(dtype):
     assert rel_err(out[1], ref) < tol and rel_err(out[2], ref) < tol
 
 
+@pytest.mark.parametrize("window", [0, 24])
+def test_decode_stack_prefetches_exactly_the_kv_rows_each_threads_items_read(window):
+    """The decode stack asks for the next layer's K/V during the gate/up GEMM (LineStream): each thread's spans
+    are the K and V rows its planned attention items read (inside the window), each line once, for any thread
+    count; blocks adjacent in memory merge into one span."""
+    from pagedcore.kernels import cpu_ext
+    from pagedcore.kernels.cpu_attention import plan_ext_decode
+
+    _ext_or_skip()
+    ext = cpu_ext.load()
+    sl = [5, 40, 17, 60, 33, 150, 200, 256, 240, 90, 2000]
+    b = make_paged_batch([1] * len(sl), sl, 9, 3, 64, 16, torch.bfloat16, "cpu", seed=7)
+    plan = plan_ext_decode(b.metadata)
+    row_bytes, bs = 3 * 64 * 2, 16
+    want = set()
+    for i, length in enumerate(sl):
+        for pos in range(max(0, length - window) if window else 0, length):
+            blk = int(plan.block_table[i, pos // bs])
+            for cache in (b.k_cache, b.v_cache):
+                start = cache.data_ptr() + (blk * cache.stride(0) + (pos % bs) * 3 * 64) * 2
+                want.update(range(start, start + row_bytes, 64))
+    for threads in (1, 2, 3, 8):
+        spans = ext.decode_kv_lines(b.query, plan.rows, b.k_cache, b.v_cache, plan.block_table, plan.seq_lens,
+                                    window, threads).tolist()
+        got = [a + 64 * j for _, a, n in spans for j in range(n)]
+        assert len(got) == len(set(got)) and set(got) == want, threads
+        assert {t for t, _, _ in spans} <= set(range(threads))
+    # One sequence over consecutive blocks: its K rows are one span, its V rows another.
+    bt = torch.arange(8, dtype=torch.int32).view(1, 8)
+    spans = ext.decode_kv_lines(b.query[:1], torch.zeros(1, dtype=torch.long), b.k_cache, b.v_cache, bt,
+                                torch.tensor([100], dtype=torch.int32), 0, 1).tolist()
+    assert [n for _, _, n in spans] == [100 * row_bytes // 64] * 2
+
+
 def test_cpu_decode_kernel_query_dtype_differs_from_cache():
     """fp32 queries over a bf16 cache (and bf16 over fp32): the q load and the output store convert."""
     _ext_or_skip()

@@ -5,6 +5,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query"), py::arg("rows"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("window"), py::arg("softcap"), py::arg("k_scales") = py::none(),
         py::arg("v_scales") = py::none());
+  m.def("decode_kv_lines", &decode_kv_lines,
+        "[thread, address, lines] of the K/V spans the decode stack prefetches for each thread's planned items",
+        py::arg("query"), py::arg("rows"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
+        py::arg("seq_lens"), py::arg("window"), py::arg("threads"));
   m.def("paged_prefill_supported", &paged_prefill_supported, "whether paged_prefill runs here for this head_dim");
   m.def("paged_prefill", &paged_prefill,
         "causal attention of prompt rows (query rows [start, end) of each listed sequence, the last rows of its "

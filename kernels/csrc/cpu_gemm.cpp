@@ -1238,11 +1238,11 @@ bool silu_mul_runs(const PackedWeight& w, int64_t M) {
 int64_t silu_mul_chunks(const PackedWeight& w) { return (w.N / (2 * NR) + 1) / 2; }
 
 void silu_mul_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t c0,
-                     int64_t c1, std::vector<float>& wbuf) {
+                     int64_t c1, std::vector<float>& wbuf, LineStream* side) {
 #ifdef PC_AVX512
   const int64_t p0 = 2 * c0, p1 = std::min(w.N / (2 * NR), 2 * c1);
   if (p0 >= p1) return;
-  if (w.vnni) return vnni_silu_mul_panels(w, in, x_type, y, p0, p1);
+  if (w.vnni) return vnni_silu_mul_panels(w, in, x_type, y, p0, p1, side);  // (the fp32 tiles take no stream)
   TORCH_CHECK(x_type == at::kFloat || x_type == at::kBFloat16, "x: float32 or bfloat16");
   if (x_type == at::kFloat) {
     if (w.type == at::kFloat) return silu_mul_panels_zmm<float, float>(w, in, static_cast<float*>(y), p0, p1, wbuf);

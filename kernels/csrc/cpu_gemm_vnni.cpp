@@ -219,7 +219,8 @@ void amx_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, in
 // per pair P weight loads and R broadcasts of x's pair (row r at a + r * lda) feed R * P products. Panel q's pair kp
 // lies at b + (q % 2) * ps + (q / 2) * hs + kp * 32 (adjacent panels: hs = 2 ps; a fused gate/up weight's gate panels
 // p, p + 1 beside up's: hs = the up half's offset, as zmm_tile.h's tiles). pf_n cache lines from pf are asked for
-// every pf_every pairs (the next panel group).
+// every pf_every pairs (the next panel group); pf2_n lines from pf2, one every pf2_every pairs (a LineStream's run: the
+// decode stack's next layer's K/V).
 constexpr int64_t DR = 6;   // rows per tile
 constexpr int64_t DP = 4;   // panels per tile
 constexpr int64_t DMC = 96;  // rows of x per cache block (96 bf16 rows of K <= 2048 stay in L2)
@@ -230,12 +231,12 @@ inline __m512bh load_pairs(const c10::BFloat16* p) { return (__m512bh)_mm512_loa
 template <int R, int P>
 __attribute__((noinline)) void dp_kernel(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b, int64_t ps,
                                          int64_t hs, int64_t pairs, float* c, const char* pf, int64_t pf_n,
-                                         int64_t pf_every) {
+                                         int64_t pf_every, const char* pf2, int64_t pf2_n, int64_t pf2_every) {
   const int32_t* ap = reinterpret_cast<const int32_t*>(a);  // x's pairs as 32-bit words
   const int64_t la = lda / 2;
 #define DP_DECL(r, p) __m512 z##r##p = _mm512_setzero_ps();
   DP_ROWS_PANELS(DP_DECL)
-  for (int64_t k = 0, countdown = pf_every; k < pairs; ++k) {
+  for (int64_t k = 0, countdown = pf_every, countdown2 = pf2_every; k < pairs; ++k) {
     const c10::BFloat16* bk = b + k * 2 * NR;
     const __m512bh b0 = load_pairs(bk);
     const __m512bh b1 = P > 1 ? load_pairs(bk + ps) : b0;
@@ -245,6 +246,12 @@ __attribute__((noinline)) void dp_kernel(const c10::BFloat16* a, int64_t lda, co
       countdown = pf_every;
       for (int64_t l = 0; l < pf_n; ++l) _mm_prefetch(pf + l * 64, _MM_HINT_T1);
       pf += pf_n * 64;
+    }
+    if (pf2_n > 0 && --countdown2 == 0) {
+      countdown2 = pf2_every;
+      _mm_prefetch(pf2, _MM_HINT_T1);
+      pf2 += 64;
+      --pf2_n;
     }
 #define DP_DOT(r, p) \
     if constexpr (R > r && P > p) z##r##p = _mm512_dpbf16_ps(z##r##p, (__m512bh)_mm512_set1_epi32(ap[r * la + k]), b##p);
@@ -257,24 +264,26 @@ __attribute__((noinline)) void dp_kernel(const c10::BFloat16* a, int64_t lda, co
 
 template <int R>
 void dp_rows(int64_t np, const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b, int64_t ps, int64_t hs,
-             int64_t pairs, float* c, const char* pf, int64_t pf_n, int64_t pf_every) {
+             int64_t pairs, float* c, const char* pf, int64_t pf_n, int64_t pf_every, const char* pf2, int64_t pf2_n,
+             int64_t pf2_every) {
   switch (np) {
-    case 1: return dp_kernel<R, 1>(a, lda, b, ps, hs, pairs, c, pf, pf_n, pf_every);
-    case 2: return dp_kernel<R, 2>(a, lda, b, ps, hs, pairs, c, pf, pf_n, pf_every);
-    case 3: return dp_kernel<R, 3>(a, lda, b, ps, hs, pairs, c, pf, pf_n, pf_every);
-    default: return dp_kernel<R, 4>(a, lda, b, ps, hs, pairs, c, pf, pf_n, pf_every);
+    case 1: return dp_kernel<R, 1>(a, lda, b, ps, hs, pairs, c, pf, pf_n, pf_every, pf2, pf2_n, pf2_every);
+    case 2: return dp_kernel<R, 2>(a, lda, b, ps, hs, pairs, c, pf, pf_n, pf_every, pf2, pf2_n, pf2_every);
+    case 3: return dp_kernel<R, 3>(a, lda, b, ps, hs, pairs, c, pf, pf_n, pf_every, pf2, pf2_n, pf2_every);
+    default: return dp_kernel<R, 4>(a, lda, b, ps, hs, pairs, c, pf, pf_n, pf_every, pf2, pf2_n, pf2_every);
   }
 }
 
 inline void dp_tile(int64_t rows, int64_t np, const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b, int64_t ps,
-                    int64_t hs, int64_t pairs, float* c, const char* pf, int64_t pf_n, int64_t pf_every) {
+                    int64_t hs, int64_t pairs, float* c, const char* pf, int64_t pf_n, int64_t pf_every,
+                    const char* pf2 = nullptr, int64_t pf2_n = 0, int64_t pf2_every = 1) {
   switch (rows) {
-    case 1: return dp_rows<1>(np, a, lda, b, ps, hs, pairs, c, pf, pf_n, pf_every);
-    case 2: return dp_rows<2>(np, a, lda, b, ps, hs, pairs, c, pf, pf_n, pf_every);
-    case 3: return dp_rows<3>(np, a, lda, b, ps, hs, pairs, c, pf, pf_n, pf_every);
-    case 4: return dp_rows<4>(np, a, lda, b, ps, hs, pairs, c, pf, pf_n, pf_every);
-    case 5: return dp_rows<5>(np, a, lda, b, ps, hs, pairs, c, pf, pf_n, pf_every);
-    default: return dp_rows<6>(np, a, lda, b, ps, hs, pairs, c, pf, pf_n, pf_every);
+    case 1: return dp_rows<1>(np, a, lda, b, ps, hs, pairs, c, pf, pf_n, pf_every, pf2, pf2_n, pf2_every);
+    case 2: return dp_rows<2>(np, a, lda, b, ps, hs, pairs, c, pf, pf_n, pf_every, pf2, pf2_n, pf2_every);
+    case 3: return dp_rows<3>(np, a, lda, b, ps, hs, pairs, c, pf, pf_n, pf_every, pf2, pf2_n, pf2_every);
+    case 4: return dp_rows<4>(np, a, lda, b, ps, hs, pairs, c, pf, pf_n, pf_every, pf2, pf2_n, pf2_every);
+    case 5: return dp_rows<5>(np, a, lda, b, ps, hs, pairs, c, pf, pf_n, pf_every, pf2, pf2_n, pf2_every);
+    default: return dp_rows<6>(np, a, lda, b, ps, hs, pairs, c, pf, pf_n, pf_every, pf2, pf2_n, pf2_every);
   }
 }
 
@@ -308,11 +317,12 @@ void dp_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int
 // and up's p, p + 1 share a tile, so the [M, 2 I] product is never written and read back (a silu pass over it read
 // the half the other thread wrote: ~1.3 ms of a 64-row decode step).
 template <typename X>
-void dp_silu_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1) {
+void dp_silu_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1, LineStream* stream) {
   const int64_t K = w.K, M = in.M, I = w.N / 2, half = I / NR, ps = K * NR, hs = half * ps, pairs = K / 2;
   const auto* W = static_cast<const c10::BFloat16*>(w.w);
   const c10::BFloat16* A = in.xb_rows != nullptr ? in.xb_rows : in.xb.data();
   alignas(64) float c[DP * DR * NR];
+  if (stream != nullptr) stream->pace((p1 - p0 + 1) / 2 * ((M + DR - 1) / DR));
   for (int64_t m0 = 0; m0 < M; m0 += DMC) {
     const int64_t m1 = std::min(M, m0 + DMC);
     for (int64_t p = p0; p < p1; p += 2) {
@@ -326,9 +336,10 @@ void dp_silu_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0
       for (int64_t i = m0, t = 0; i < m1; i += DR, ++t) {
         const int64_t rows = std::min(DR, m1 - i), first = t * pf.per_tile(pairs);
         const char* next = first < side ? gate_next + first * 64 : up_next + (first - side) * 64;
+        const auto [pf2, pf2_n] = stream != nullptr ? stream->take() : std::pair<const char*, int64_t>{nullptr, 0};
         // One gate panel: gate and up as panels 0 and 1 (panel 1 at b + ps there).
         dp_tile(rows, 2 * np, A + i * K, K, W + p * ps, np == 2 ? ps : hs, hs, pairs, c, next,
-                first < 2 * side ? pf.n : 0, pf.every);
+                first < 2 * side ? pf.n : 0, pf.every, pf2, pf2_n, std::max<int64_t>(1, pairs / std::max<int64_t>(1, pf2_n)));
         for (int64_t q = 0; q < np; ++q)
           zmm::store_silu_mul(c + q * DR * NR, c + (np + q) * DR * NR, rows, w.bias, (p + q) * NR, (half + p + q) * NR,
                               y + i * I + (p + q) * NR, I);
@@ -412,12 +423,12 @@ bool vnni_reads_rows_in_place(const PackedWeight& w, at::ScalarType x_type) {
 }
 
 void vnni_silu_mul_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0,
-                          int64_t p1) {
+                          int64_t p1, LineStream* side) {
 #if defined(__AVX512BF16__)
   TORCH_CHECK(!in.amx, "vnni_silu_mul_panels: the AVX512-BF16 tiles (vnni_silu_mul_runs)");
-  if (x_type == at::kFloat) return dp_silu_panels(w, in, static_cast<float*>(y), p0, p1);
+  if (x_type == at::kFloat) return dp_silu_panels(w, in, static_cast<float*>(y), p0, p1, side);
   TORCH_CHECK(x_type == at::kBFloat16, "x: float32 or bfloat16");
-  return dp_silu_panels(w, in, static_cast<c10::BFloat16*>(y), p0, p1);
+  return dp_silu_panels(w, in, static_cast<c10::BFloat16*>(y), p0, p1, side);
 #else
   TORCH_CHECK(false, "vnni_silu_mul_panels: needs AVX512-BF16 (vnni_silu_mul_runs)");
 #endif

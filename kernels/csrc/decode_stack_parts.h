@@ -6,8 +6,41 @@
 
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
+
+// Cache lines a GEMM's tiles ask for at a steady rate between their dot products: the decode stack's next layer's
+// K/V while this layer's compute-bound gate/up runs (asked for in a burst, they stalled the tiles as long as the
+// attention would have waited): a tile takes a contiguous run of them and asks for one every few k-steps.
+struct LineStream {
+  struct Span {
+    const char* p;
+    int64_t lines;
+  };
+  std::vector<Span> spans;
+  size_t span = 0;
+  int64_t taken = 0, lines = 0, quota = 0;
+  void add(const char* p, int64_t bytes) {
+    const int64_t n = (bytes + 63) / 64;
+    if (!spans.empty() && spans.back().p + spans.back().lines * 64 == p)
+      spans.back().lines += n;  // adjacent blocks: one span
+    else
+      spans.push_back({p, n});
+    lines += n;
+  }
+  void clear() { spans.clear(), span = 0, taken = 0, lines = 0; }
+  void pace(int64_t tiles) { quota = (lines + tiles - 1) / std::max<int64_t>(1, tiles); }  // lines a tile asks for
+  // The next tile's lines: up to `quota` of them, contiguous (the rest of a span, or part of it).
+  std::pair<const char*, int64_t> take() {
+    if (span == spans.size()) return {nullptr, 0};
+    const Span& s = spans[span];
+    const int64_t n = std::min(quota, s.lines - taken);
+    const char* p = s.p + taken * 64;
+    if ((taken += n) == s.lines) ++span, taken = 0;
+    return {p, n};
+  }
+};
 
 // ---- paged decode attention (cpu_decode_attention.cpp) ----------------------------------------
 struct DecodeItem {
@@ -42,6 +75,7 @@ struct DecodeAttention {
   std::pair<int64_t, int64_t> share_of(int64_t tid, int64_t nth) const;  // thread tid's items of nth threads
   void run(int64_t begin, int64_t end) const;  // items [begin, end)
   void combine() const;                        // split sequences' partitions -> out (one thread)
+  void kv_lines(int64_t begin, int64_t end, LineStream& out) const;  // the K/V rows items [begin, end) read
 };
 
 // ---- linears over packed weights (cpu_gemm.cpp) -----------------------------------------------
@@ -101,7 +135,7 @@ bool vnni_reads_rows_in_place(const PackedWeight& w, at::ScalarType x_type);
 // silu_mul_panels over VNNI pairs (gate panels [p0, p1)): where the AVX512-BF16 tiles run and AMX does not.
 bool vnni_silu_mul_runs();
 void vnni_silu_mul_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0,
-                          int64_t p1);
+                          int64_t p1, LineStream* side = nullptr);
 // y[:, panels p0..p1) for all M rows; y [M, N] in x_type. wbuf: the thread's scratch.
 void gemm_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0, int64_t p1,
                  std::vector<float>& wbuf);
@@ -111,4 +145,4 @@ void gemm_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_ty
 bool silu_mul_runs(const PackedWeight& w, int64_t M);
 int64_t silu_mul_chunks(const PackedWeight& w);
 void silu_mul_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t c0,
-                     int64_t c1, std::vector<float>& wbuf);
+                     int64_t c1, std::vector<float>& wbuf, LineStream* side = nullptr);

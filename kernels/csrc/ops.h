@@ -18,6 +18,8 @@ inline int64_t grain_for(int64_t work_per_item, int64_t min_work = 32768) {
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor rows, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_table, torch::Tensor seq_lens, double scale, int64_t window,
                            double softcap, c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales);
+torch::Tensor decode_kv_lines(torch::Tensor query, torch::Tensor rows, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_table, torch::Tensor seq_lens, int64_t window, int64_t threads);
 
 // cpu_prefill_attention.cpp: causal attention of prompt rows over the paged cache (AVX-512 CPUs, head_dim % 16 == 0)
 bool paged_prefill_supported(int64_t head_dim);
