@@ -31,7 +31,7 @@
 namespace {
 
 constexpr int64_t TILE = 6;  // rows per GEMM input tile (cpu_gemm.cpp's MR): one thread prepares a tile
-// From this many rows the gate/up phase asks for the next layer's K/V (LineStream). Zen 4, 2 threads, bundled model,
+// From this many rows the gate/up and down phases ask for the next layer's K/V (LineStream). Zen 4, 2 threads, bundled model,
 // one process alternating with and without: 64 rows x 32-224 positions, step 55.7 -> 53.4 ms (attention 11.8 -> 8.1,
 // GEMMs +0.4); 32 x 64-448: 41.2 -> 39.1; 8 rows: 12.5 -> 12.2; 1 row x 512: 9.7 / 9.9 (noise; GEMMs +0.4).
 constexpr int64_t kKvPrefetchRows = 8;
@@ -401,9 +401,9 @@ class DecodeStack {
       // Rows of this thread in whole GEMM input tiles, so it also prepares those tiles (no barrier between).
       const auto [r0, r1] = share(T, tid, n, TILE);
       auto fill = [&](const PackedWeight& w, GemmInput& g, const X* x) { fill_rows(w, g, xt, x, r0, r1); };
-      auto matmul = [&](const PackedWeight& w, const GemmInput& g, X* y) {
+      auto matmul = [&](const PackedWeight& w, const GemmInput& g, X* y, LineStream* side = nullptr) {
         const auto [p0, p1] = share(w.panels(), tid, n);
-        if (p0 < p1) gemm_panels(w, g, xt, y, p0, p1, wbuf);
+        if (p0 < p1) gemm_panels(w, g, xt, y, p0, p1, wbuf, side);
 #pragma omp barrier
         mark(GEMM);
       };
@@ -441,26 +441,27 @@ class DecodeStack {
         fill(w.gate_up, in.gate_up, h);
 #pragma omp barrier
         mark(OTHER);
+        // The next layer's K/V rows of this thread's attention items, asked for from inside the gate/up and down
+        // tiles: the attention then reads them from L3 (at a few rows the tiles read weights at the bandwidth).
+        stream.clear();
+        if (li + 1 < layers_.size() && T >= kKvPrefetchRows) {
+          const auto [i0, i1] = attention[li + 1].share_of(tid, n);
+          attention[li + 1].kv_lines(i0, i1, stream);
+        }
+        LineStream* kv = stream.lines > 0 ? &stream : nullptr;
         if (silu_mul_runs(w.gate_up, T)) {  // the product never written
           const auto [c0, c1] = share(silu_mul_chunks(w.gate_up), tid, n);
-          // The next layer's K/V rows of this thread's attention items, asked for from inside the tiles: the
-          // attention then reads them from L3 (at a few rows the tiles read weights at the bandwidth: no gain).
-          stream.clear();
-          if (li + 1 < layers_.size() && T >= kKvPrefetchRows) {
-            const auto [i0, i1] = attention[li + 1].share_of(tid, n);
-            attention[li + 1].kv_lines(i0, i1, stream);
-          }
-          silu_mul_panels(w.gate_up, in.gate_up, xt, act, c0, c1, wbuf, stream.lines > 0 ? &stream : nullptr);
+          silu_mul_panels(w.gate_up, in.gate_up, xt, act, c0, c1, wbuf, kv);
 #pragma omp barrier
           mark(GEMM);
         } else {
-          matmul(w.gate_up, in.gate_up, gu);
+          matmul(w.gate_up, in.gate_up, gu, kv);
           for (int64_t t = r0; t < r1; ++t) silu_and_mul_row(gu + t * 2 * I, gu + t * 2 * I + I, act + t * I, I);
         }
         fill(w.down, in.down, act);
 #pragma omp barrier
         mark(OTHER);
-        matmul(w.down, in.down, down);
+        matmul(w.down, in.down, down, stream.lines > stream.given ? kv : nullptr);  // what gate/up left
       }
       // The last layer's residual add.
       for (int64_t t = r0; t < r1; ++t)

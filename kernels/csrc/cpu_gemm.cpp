@@ -1224,8 +1224,8 @@ void gemm_input_fill(const PackedWeight& w, at::ScalarType x_type, const void* x
 }
 
 void gemm_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0, int64_t p1,
-                 std::vector<float>& wbuf) {
-  if (w.vnni) return vnni_panels(w, in, x_type, y, p0, p1);
+                 std::vector<float>& wbuf, LineStream* side) {
+  if (w.vnni) return vnni_panels(w, in, x_type, y, p0, p1, side);  // (the fp32 tiles take no stream)
   if (x_type == at::kFloat) return panels_of(w, in, static_cast<float*>(y), p0, p1, wbuf);
   TORCH_CHECK(x_type == at::kBFloat16, "x: float32 or bfloat16");
   panels_of(w, in, static_cast<c10::BFloat16*>(y), p0, p1, wbuf);
@@ -1242,7 +1242,7 @@ void silu_mul_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType 
 #ifdef PC_AVX512
   const int64_t p0 = 2 * c0, p1 = std::min(w.N / (2 * NR), 2 * c1);
   if (p0 >= p1) return;
-  if (w.vnni) return vnni_silu_mul_panels(w, in, x_type, y, p0, p1, side);  // (the fp32 tiles take no stream)
+  if (w.vnni) return vnni_silu_mul_panels(w, in, x_type, y, p0, p1, side);
   TORCH_CHECK(x_type == at::kFloat || x_type == at::kBFloat16, "x: float32 or bfloat16");
   if (x_type == at::kFloat) {
     if (w.type == at::kFloat) return silu_mul_panels_zmm<float, float>(w, in, static_cast<float*>(y), p0, p1, wbuf);

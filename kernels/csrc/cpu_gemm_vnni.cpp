@@ -290,11 +290,12 @@ inline void dp_tile(int64_t rows, int64_t np, const c10::BFloat16* a, int64_t ld
 // Panels [p0, p1) for every row: groups of DP panels, each over the row tiles of a cache block of x; the next
 // group's lines are asked for spread over this group's tiles (from memory they would stall its first tile).
 template <typename X>
-void dp_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1) {
+void dp_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1, LineStream* stream) {
   const int64_t K = w.K, N = w.N, M = in.M, ps = K * NR, pairs = K / 2;
   const auto* W = static_cast<const c10::BFloat16*>(w.w);
   const c10::BFloat16* A = in.xb_rows != nullptr ? in.xb_rows : in.xb.data();
   alignas(64) float c[DP * DR * NR];
+  if (stream != nullptr) stream->pace((p1 - p0 + DP - 1) / DP * ((M + DR - 1) / DR));
   for (int64_t m0 = 0; m0 < M; m0 += DMC) {
     const int64_t m1 = std::min(M, m0 + DMC);
     for (int64_t p = p0; p < p1; p += DP) {
@@ -304,8 +305,9 @@ void dp_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int
       const zmm::PrefetchSpread pf(std::min(DP, p1 - p - np) * ps * 2 / 64, tiles * pairs);
       for (int64_t i = m0, t = 0; i < m1; i += DR, ++t) {
         const int64_t rows = std::min(DR, m1 - i);
+        const auto [pf2, pf2_n] = stream != nullptr ? stream->take() : std::pair<const char*, int64_t>{nullptr, 0};
         dp_tile(rows, np, A + i * K, K, W + p * ps, ps, 2 * ps, pairs, c, next + t * pf.per_tile(pairs) * 64, pf.n,
-                pf.every);
+                pf.every, pf2, pf2_n, std::max<int64_t>(1, pairs / std::max<int64_t>(1, pf2_n)));
         for (int64_t q = 0; q < np; ++q)
           store_block(c + q * DR * NR, NR, rows, std::min(NR, N - (p + q) * NR), w.bias, (p + q) * NR, y + i * N, N);
       }
@@ -350,12 +352,12 @@ void dp_silu_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0
 #endif
 
 template <typename X>
-void panels_of(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1) {
+void panels_of(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1, LineStream* side) {
 #if defined(__x86_64__)
   if (in.amx) return amx_panels(w, in, y, p0, p1);
 #endif
 #if defined(__AVX512BF16__)
-  return dp_panels(w, in, y, p0, p1);
+  return dp_panels(w, in, y, p0, p1, side);
 #endif
   scalar_panels(w, in, y, p0, p1);
 }
@@ -434,10 +436,11 @@ void vnni_silu_mul_panels(const PackedWeight& w, const GemmInput& in, at::Scalar
 #endif
 }
 
-void vnni_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0, int64_t p1) {
-  if (x_type == at::kFloat) return panels_of(w, in, static_cast<float*>(y), p0, p1);
+void vnni_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0, int64_t p1,
+                 LineStream* side) {
+  if (x_type == at::kFloat) return panels_of(w, in, static_cast<float*>(y), p0, p1, side);
   TORCH_CHECK(x_type == at::kBFloat16, "x: float32 or bfloat16");
-  panels_of(w, in, static_cast<c10::BFloat16*>(y), p0, p1);
+  panels_of(w, in, static_cast<c10::BFloat16*>(y), p0, p1, side);
 }
 
 // out[p][kp][2c + t] = w[16p + c][2kp + t]; padding columns zero.

@@ -20,7 +20,7 @@ struct LineStream {
   };
   std::vector<Span> spans;
   size_t span = 0;
-  int64_t taken = 0, lines = 0, quota = 0;
+  int64_t taken = 0, given = 0, lines = 0, quota = 0;
   void add(const char* p, int64_t bytes) {
     const int64_t n = (bytes + 63) / 64;
     if (!spans.empty() && spans.back().p + spans.back().lines * 64 == p)
@@ -29,14 +29,16 @@ struct LineStream {
       spans.push_back({p, n});
     lines += n;
   }
-  void clear() { spans.clear(), span = 0, taken = 0, lines = 0; }
-  void pace(int64_t tiles) { quota = (lines + tiles - 1) / std::max<int64_t>(1, tiles); }  // lines a tile asks for
+  void clear() { spans.clear(), span = 0, taken = 0, given = 0, lines = 0; }
+  // Lines a tile asks for: those not yet taken over `tiles` tiles (a later GEMM takes what an earlier one could not).
+  void pace(int64_t tiles) { quota = (lines - given + tiles - 1) / std::max<int64_t>(1, tiles); }
   // The next tile's lines: up to `quota` of them, contiguous (the rest of a span, or part of it).
   std::pair<const char*, int64_t> take() {
     if (span == spans.size()) return {nullptr, 0};
     const Span& s = spans[span];
     const int64_t n = std::min(quota, s.lines - taken);
     const char* p = s.p + taken * 64;
+    given += n;
     if ((taken += n) == s.lines) ++span, taken = 0;
     return {p, n};
   }
@@ -127,7 +129,8 @@ void gemm_input_fill(const PackedWeight& w, at::ScalarType x_type, const void* x
 void vnni_input_resize(const PackedWeight& w, int64_t M, GemmInput& in);
 void vnni_input_fill(const PackedWeight& w, at::ScalarType x_type, const void* x, GemmInput& in, int64_t r0,
                      int64_t r1);
-void vnni_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0, int64_t p1);
+void vnni_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0, int64_t p1,
+                 LineStream* side = nullptr);
 bool vnni_amx();  // whether AMX tiles run here (cpuid, and the OS granted the tile state)
 bool vnni_dpbf16();  // whether the AVX512-BF16 tiles were built (-march=native on a CPU with them)
 // Whether the VNNI tiles read an x of this dtype in place (GemmInput::xb_rows): bf16 rows, AVX512-BF16 tiles.
@@ -138,7 +141,7 @@ void vnni_silu_mul_panels(const PackedWeight& w, const GemmInput& in, at::Scalar
                           int64_t p1, LineStream* side = nullptr);
 // y[:, panels p0..p1) for all M rows; y [M, N] in x_type. wbuf: the thread's scratch.
 void gemm_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0, int64_t p1,
-                 std::vector<float>& wbuf);
+                 std::vector<float>& wbuf, LineStream* side = nullptr);
 // silu(x Wg^T) * (x Wu^T) into y [M, N / 2] over a fused [gate; up] weight (N = 2 I): whether it runs for M rows
 // (else: gemm_panels, then silu_and_mul_row), its work in chunks (two gate panels each, with their up panels), and
 // chunks [c0, c1) of it.
