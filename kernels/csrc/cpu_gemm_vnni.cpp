@@ -223,6 +223,7 @@ void amx_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, in
 // decode stack's next layer's K/V).
 constexpr int64_t DR = 6;   // rows per tile
 constexpr int64_t DP = 4;   // panels per tile
+constexpr int64_t KB = 8;    // pair steps between prefetches
 constexpr int64_t DMC = 96;  // rows of x per cache block (96 bf16 rows of K <= 2048 stay in L2)
 #define DP_PANELS(X, r) X(r, 0) X(r, 1) X(r, 2) X(r, 3)
 #define DP_ROWS_PANELS(X) DP_PANELS(X, 0) DP_PANELS(X, 1) DP_PANELS(X, 2) DP_PANELS(X, 3) DP_PANELS(X, 4) DP_PANELS(X, 5)
@@ -236,27 +237,37 @@ __attribute__((noinline)) void dp_kernel(const c10::BFloat16* a, int64_t lda, co
   const int64_t la = lda / 2;
 #define DP_DECL(r, p) __m512 z##r##p = _mm512_setzero_ps();
   DP_ROWS_PANELS(DP_DECL)
-  for (int64_t k = 0, countdown = pf_every, countdown2 = pf2_every; k < pairs; ++k) {
+#define DP_DOT(r, p) \
+    if constexpr (R > r && P > p) z##r##p = _mm512_dpbf16_ps(z##r##p, (__m512bh)_mm512_set1_epi32(ap[r * la + k]), b##p);
+  auto dots = [&](int64_t k) __attribute__((always_inline)) {
     const c10::BFloat16* bk = b + k * 2 * NR;
     const __m512bh b0 = load_pairs(bk);
     const __m512bh b1 = P > 1 ? load_pairs(bk + ps) : b0;
     const __m512bh b2 = P > 2 ? load_pairs(bk + hs) : b0;
     const __m512bh b3 = P > 3 ? load_pairs(bk + hs + ps) : b0;
-    if (pf_n > 0 && --countdown == 0) {
-      countdown = pf_every;
+    DP_ROWS_PANELS(DP_DOT)
+  };
+  // The prefetches fall due between blocks of KB steps, so the steps themselves run without a branch; but lines
+  // due every step (a few rows: the tiles read weights at the bandwidth) go out every step, not in bursts.
+  const bool every_step = pf_n > 0 && pf_every == 1;
+  int64_t due = pf_n > 0 && !every_step ? pf_every : pairs + KB, due2 = pf2_n > 0 ? pf2_every : pairs + KB;
+  int64_t k = 0;
+  for (; k + KB <= pairs; k += KB) {
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < KB; ++j) {
+      dots(k + j);
+      if (every_step) {
+        for (int64_t l = 0; l < pf_n; ++l) _mm_prefetch(pf + l * 64, _MM_HINT_T1);
+        pf += pf_n * 64;
+      }
+    }
+    for (due -= KB; due <= 0; due += pf_every) {
       for (int64_t l = 0; l < pf_n; ++l) _mm_prefetch(pf + l * 64, _MM_HINT_T1);
       pf += pf_n * 64;
     }
-    if (pf2_n > 0 && --countdown2 == 0) {
-      countdown2 = pf2_every;
-      _mm_prefetch(pf2, _MM_HINT_T1);
-      pf2 += 64;
-      --pf2_n;
-    }
-#define DP_DOT(r, p) \
-    if constexpr (R > r && P > p) z##r##p = _mm512_dpbf16_ps(z##r##p, (__m512bh)_mm512_set1_epi32(ap[r * la + k]), b##p);
-    DP_ROWS_PANELS(DP_DOT)
+    for (due2 -= KB; due2 <= 0 && pf2_n > 0; due2 += pf2_every, --pf2_n, pf2 += 64) _mm_prefetch(pf2, _MM_HINT_T1);
   }
+  for (; k < pairs; ++k) dots(k);
 #define DP_STORE(r, p) \
   if constexpr (R > r && P > p) _mm512_storeu_ps(c + p * DR * NR + r * NR, z##r##p);
   DP_ROWS_PANELS(DP_STORE)

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <c10/util/BFloat16.h>
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define PC_AVX512 1
@@ -117,6 +119,13 @@ inline __m512 silu_ps(__m512 x) {
   return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x))));
 }
 
+#if defined(__AVX512BF16__)
+// x rounded to bf16 (nearest even) and widened back.
+inline __m512 round_bf16(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+#endif
+
 // out[r, 0:16) = silu(g[r] + bias_g) * (u[r] + bias_u) from two computed tiles (row stride 16), rounded where the
 // unfused ops round (to X after the matmul, after silu, after the product: silu_and_mul_row).
 template <typename X>
@@ -128,6 +137,14 @@ inline void store_silu_mul(const float* g, const float* u, int64_t rows, const f
     __m512 gv = _mm512_add_ps(_mm512_loadu_ps(g + r * NR), bg), uv = _mm512_add_ps(_mm512_loadu_ps(u + r * NR), bu);
     if constexpr (std::is_same_v<X, float>) {
       _mm512_storeu_ps(out + r * ldo, _mm512_mul_ps(zmm::silu_ps(gv), uv));
+#if defined(__AVX512BF16__)
+    } else if constexpr (std::is_same_v<X, c10::BFloat16>) {
+      // In vectors (element by element this epilogue cost ~0.1 ms a layer at 64 rows): the same roundings, to
+      // nearest even as c10::BFloat16 rounds.
+      const __m512 s = round_bf16(zmm::silu_ps(round_bf16(gv)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, round_bf16(uv))));
+#endif
     } else {
       alignas(64) float t[NR], v[NR];
       _mm512_store_ps(t, gv);
