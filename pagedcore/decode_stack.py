@@ -28,6 +28,7 @@ weights the layers would run: a 64-row bf16 step 50 -> 40 ms against layer by la
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -74,7 +75,7 @@ class DecodeStack:
         self.stack = ext.DecodeStack(c.hidden_size, c.num_attention_heads, kv_caches[0][0].shape[2], head_dim,
                                      c.intermediate_size)
         self.installed: list[_Installed] = []
-        self._checks = None  # (parent's modules, name, module, its __dict__, forward) per installed entry
+        self._checks = None  # (dicts, keys, values): each installed module in its parent's modules, its forward
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         for layer, (k_cache, v_cache) in zip(self.base.layers, kv_caches):
             self._add_layer(layer, k_cache, v_cache)
@@ -139,8 +140,14 @@ class DecodeStack:
         """Every module the stack stands in for is still in place, with the forward it had (plain dict lookups:
         nn.Module.__getattr__ would cost ~1 ms a step over ~270 modules)."""
         if self._checks is None:
-            self._checks = [(i.parent._modules, i.name, i.module, i.module.__dict__, i.forward) for i in self.installed]
-        return all(d.get(n) is m and md.get("forward") is f for d, n, m, md, f in self._checks)
+            dicts, keys, values = [], [], []
+            for i in self.installed:
+                dicts += [i.parent._modules, i.module.__dict__]
+                keys += [i.name, "forward"]
+                values += [i.module, i.forward]
+            self._checks = dicts, keys, values
+        dicts, keys, values = self._checks
+        return all(map(operator.is_, map(dict.get, dicts, keys), values))  # C loops: ~0.2 -> ~0.03 ms a step
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, ctx,
                  plan: ExtDecodePlan, argmax_only: bool = False) -> torch.Tensor | ArgmaxTokens | None:

@@ -58,6 +58,14 @@ def _is_plain_llama_layer(layer) -> bool:
         and not hasattr(attn, "q_norm") and not hasattr(attn, "k_norm")
 
 
+def _own(layer, attn, mlp) -> bool:
+    """The layer still holds the attention and MLP this forward inlines, with their class's forward (a module or a
+    forward replaced after start-up runs as the model says: the layer's own forward)."""
+    modules = layer._modules
+    return modules.get("self_attn") is attn and modules.get("mlp") is mlp \
+        and "forward" not in attn.__dict__ and "forward" not in mlp.__dict__
+
+
 def _lean_forward(ext, layer, sliding_window: int | None):
     attn, mlp = layer.self_attn, layer.mlp
     in_norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
@@ -71,7 +79,7 @@ def _lean_forward(ext, layer, sliding_window: int | None):
     def forward(hidden_states: torch.Tensor, position_embeddings=None, **kwargs) -> torch.Tensor:
         ctx = hf_glue.current()
         if ctx is None or position_embeddings is None or hidden_states.dtype != in_norm.weight.dtype \
-                or hidden_states.shape[0] != 1 or position_embeddings[0].shape[-1] != head_dim:
+                or hidden_states.shape[0] != 1 or position_embeddings[0].shape[-1] != head_dim or not _own(layer, attn, mlp):
             return original(layer, hidden_states, position_embeddings=position_embeddings, **kwargs)
         cos, sin = position_embeddings
         T = hidden_states.shape[1]

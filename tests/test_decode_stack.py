@@ -156,6 +156,24 @@ def test_stack_steps_aside_for_a_replaced_projection(tiny_model_dir, stack_steps
     assert len(calls) == 4 and not stack_steps  # prefill + 3 decode steps, none through the stack
 
 
+def test_stack_steps_aside_for_a_replaced_forward(tiny_model_dir, stack_steps):
+    """A forward set on a module instance (as hooks-by-assignment and some adapters do) wins too: the step goes
+    through the layer's own forward, which calls it."""
+    engine = LLMEngine(model=str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=4)
+    attn = engine.model.model.layers[0].self_attn
+    original, calls = attn.forward, []
+    attn.forward = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+    engine.add_request(None, PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(calls) == 4 and not stack_steps  # the lean layers' forward runs it too (lean_layers._own)
+    del attn.forward  # back to the class's forward: the stack runs again
+    engine.add_request(None, PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(calls) == 4 and any(stack_steps)
+
+
 def test_stack_off_where_it_cannot_run(tiny_model_dir):
     model_dir = str(tiny_model_dir("llama"))
     assert LLMEngine(model=model_dir, kv_cache_dtype="int8", max_num_seqs=2).runner.decode_stack is None

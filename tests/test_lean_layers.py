@@ -44,6 +44,28 @@ def test_lean_layers_match_transformers_layers(ext, arch, dtype, tiny_model_dir,
             assert all(abs(step_a[t].logprob - step_b[t].logprob) < tol for t in shared)
 
 
+def test_a_module_replaced_after_start_up_runs(ext, tiny_model_dir):
+    """An MLP swapped in after the engine started (a plugin, an adapter) runs, not the one the lean forward took
+    at install: the layer's own forward takes the step, and the tokens stay (the new MLP wraps the old)."""
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, block_size=16)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    before = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    layer, calls = llm.engine.model.model.layers[1], []
+
+    class Counted(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            calls.append(x.shape)
+            return self.inner(x)
+
+    layer.mlp = Counted(layer.mlp)
+    after = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert calls and after == before
+
+
 def test_only_known_layers_are_patched(ext, tiny_model_dir):
     """Phi-3 (fused gate_up, its own layout) keeps transformers' forward."""
     llm = LLM(str(tiny_model_dir("phi3")), num_kv_blocks=16)
