@@ -79,7 +79,8 @@ def _lean_forward(ext, layer, sliding_window: int | None):
     def forward(hidden_states: torch.Tensor, position_embeddings=None, **kwargs) -> torch.Tensor:
         ctx = hf_glue.current()
         if ctx is None or position_embeddings is None or hidden_states.dtype != in_norm.weight.dtype \
-                or hidden_states.shape[0] != 1 or position_embeddings[0].shape[-1] != head_dim or not _own(layer, attn, mlp):
+                or hidden_states.shape[0] != 1 or position_embeddings[0].shape[-1] != head_dim \
+                or not _own(layer, attn, mlp):
             return original(layer, hidden_states, position_embeddings=position_embeddings, **kwargs)
         cos, sin = position_embeddings
         T = hidden_states.shape[1]
