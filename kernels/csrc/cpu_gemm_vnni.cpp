@@ -220,7 +220,7 @@ void amx_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, in
 // lies at b + (q % 2) * ps + (q / 2) * hs + kp * 32 (adjacent panels: hs = 2 ps; a fused gate/up weight's gate panels
 // p, p + 1 beside up's: hs = the up half's offset, as zmm_tile.h's tiles). pf_n cache lines from pf are asked for
 // every pf_every pairs (the next panel group); pf2_n lines from pf2, one every pf2_every pairs (a LineStream's run: the
-// decode stack's next layer's K/V).
+// decode stack's next layer's K/V); both as they fall due between blocks of KB pairs.
 constexpr int64_t DR = 6;   // rows per tile
 constexpr int64_t DP = 4;   // panels per tile
 constexpr int64_t KB = 8;    // pair steps between prefetches

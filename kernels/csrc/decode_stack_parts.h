@@ -12,7 +12,7 @@
 
 // Cache lines a GEMM's tiles ask for at a steady rate between their dot products: the decode stack's next layer's
 // K/V while this layer's compute-bound gate/up runs (asked for in a burst, they stalled the tiles as long as the
-// attention would have waited): a tile takes a contiguous run of them and asks for one every few k-steps.
+// attention would have waited): a tile takes a contiguous run of them and asks for a few between its blocks of k-steps.
 struct LineStream {
   struct Span {
     const char* p;
