@@ -3,6 +3,9 @@ never imported on another (an AVX512-BF16 build dies of SIGILL on a CPU without 
 
 from __future__ import annotations
 
+import os
+import platform
+import shutil
 from pathlib import Path
 
 import pytest
@@ -23,3 +26,12 @@ def test_identity_is_this_cpus_flags():
     flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     assert flags in identity.splitlines()
     assert "model name" not in identity  # the marketing name says nothing -march=native uses
+
+
+@pytest.mark.skipif(os.environ.get("PAGEDCORE_CPU_EXT") == "0" or shutil.which("c++") is None
+                    or platform.machine() != "x86_64", reason="the ops are built on x86-64 where a compiler is")
+def test_the_ops_build_on_this_cpu():
+    # A failed build is only a warning to users (the torch paths compute the same, slowly), and the kernels' tests
+    # skip without the module: here it fails, so CI on a CPU the sources do not build for goes red (an AVX-512
+    # store outside its guard once left an AVX2-only CPU on the torch paths).
+    assert cpu_ext.load() is not None

@@ -385,9 +385,16 @@ void fill_rows(const X* x, int64_t K, c10::BFloat16* xb, int64_t r0, int64_t r1)
     const int64_t head = std::min<int64_t>(n, (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64);
     std::memcpy(d, s, head);
     d += head; s += head; n -= head;
+#if defined(__AVX512F__)
     for (; n >= 64; n -= 64, d += 64, s += 64) _mm512_stream_si512(reinterpret_cast<__m512i*>(d), _mm512_loadu_si512(s));
+#elif defined(__AVX__)  // the scalar path's CPUs: the same streaming, half a line a store
+    for (; n >= 32; n -= 32, d += 32, s += 32)
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+#endif
     std::memcpy(d, s, n);
+#if defined(__x86_64__)
     _mm_sfence();
+#endif
   } else {
     for (int64_t i = r0 * K; i < r1 * K; ++i) xb[i] = c10::BFloat16(x[i]);  // round to nearest even
   }
