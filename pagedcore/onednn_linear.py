@@ -14,6 +14,7 @@ Results equal the panels' up to the order of the fp32 sums (both accumulate in f
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -44,9 +45,20 @@ def _has_amx() -> bool:
 ROWS = _rows_from(os.environ.get("PAGEDCORE_ONEDNN", "auto"))
 
 
+@functools.cache
+def available() -> bool:
+    """Whether oneDNN pre-packs bf16 weights on this CPU: it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT, and refuses
+    on AVX2-only CPUs (AMD Zen 3), where a forced row count (PAGEDCORE_ONEDNN=N) then leaves the panels running."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 32, dtype=torch.bfloat16), 1)
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight in oneDNN's layout, or None where oneDNN is not used for it."""
-    if ROWS is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+    """The weight in oneDNN's layout, or None where oneDNN is not used for it (or cannot pack it here)."""
+    if ROWS is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not available():
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
 

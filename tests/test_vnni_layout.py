@@ -151,6 +151,7 @@ def test_weights_resident_once(ext, tiny_model_dir, monkeypatch):
     assert totals["on"] == totals["off"]
 
 
+@pytest.mark.skipif(not onednn_linear.available(), reason="oneDNN packs no bf16 weights on this CPU")
 @pytest.mark.parametrize("m", [100, 200])
 def test_onednn_beside_the_pairs_only_for_prefill(ext, monkeypatch, m):
     """oneDNN on (AMX CPUs' default, forced here): beside the pairs it keeps its copy for PREFILL_ROWS rows and
@@ -169,6 +170,7 @@ def test_onednn_beside_the_pairs_only_for_prefill(ext, monkeypatch, m):
     _rounded_once(got, x.double() @ linear.weight.double().T + linear.bias.double())
 
 
+@pytest.mark.skipif(not onednn_linear.available(), reason="oneDNN packs no bf16 weights on this CPU")
 def test_lm_head_keeps_no_onednn_copy_beside_its_pairs(ext, tiny_model_dir, monkeypatch):
     """The LM head sees one row per sampled sequence, below PREFILL_ROWS: beside the pairs it keeps no oneDNN
     copy (the other linears do); beside the panels (no AMX) oneDNN serves it from 3 rows, so it keeps one."""

@@ -155,8 +155,10 @@ template <typename W>
 inline void tile(int64_t rows, const float* a, const W* panel, int64_t K, float* c) {
   switch (rows) {
 #ifdef PC_THIN
-    case 1: micro_kernel_thin<1, 4>(a, panel, K, c); break;
-    case 2: micro_kernel_thin<2, 2>(a, panel, K, c); break;
+    // One accumulator set (S = 1): each output the same FMA chain over k as in micro_kernel, so a row's result
+    // does not depend on how many rows share its step (interleaved sets, 4 at one row, broke batch invariance).
+    case 1: micro_kernel_thin<1, 1>(a, panel, K, c); break;
+    case 2: micro_kernel_thin<2, 1>(a, panel, K, c); break;
 #else
     case 1: micro_kernel<1>(a, panel, K, c); break;
     case 2: micro_kernel<2>(a, panel, K, c); break;

@@ -103,7 +103,7 @@ def bench_shape(name, n, k, ms, dtype, impls, bw_gbs, peak_tflops, seconds, repe
             runners["stack"] = (lambda x, j: ext.time_stack_linears(x, [packed[j % copies]], n, 1), n * k * elem)
             timers["stack"] = lambda x, seconds: _time_in_region(
                 lambda: ext.time_stack_linears(x, packed, n, max(copies, 32)), seconds)
-    if "onednn" in impls and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+    if "onednn" in impls and dtype == torch.bfloat16 and onednn_linear.available():
         reordered = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
         runners["onednn"] = (lambda x, j: onednn_linear.linear(x, reordered[j % copies], None), n * k * elem)
     if "F.linear" in impls:
