@@ -51,11 +51,23 @@ def fp32_cache_greedy(smollm2_dir, chat_prompt_ids):
     return greedy(smollm2_dir, chat_prompt_ids)[1]
 
 
-# Floors under the agreement measured on the 8 chat prompts x 48 tokens (README, "Quantized KV cache"):
-# int8 0.685 of the tokens before the first divergence, 4 of 8 prompts identical; fp8 e4m3 0.417, 1 of 8 (AVX2
-# EPYC). The fp32 reference's own roundings differ by CPU (AVX-512 / AMX Xeon: int8 0.594, 2 of 8, with session
-# 11's code as with session 12's), and which near-ties int8 noise flips moves with them: the floors hold on both.
-FLOORS = {"int8": (0.55, 2), "fp8_e4m3": (0.35, 1)}
+# Free-running agreement (tokens before each prompt's first divergence) is chaotic: one early flip at a near-tie ends a
+# whole prompt's count, and the fp32 roundings of each CPU move which ties flip (fp8 e4m3 measured 0.417 and 1 of 8
+# prompts identical on an AVX2 EPYC in session 11, 0.292 and 0 of 8 on an AMD Zen 3 in session 28 with the C++ ops,
+# 0.391 and 1 with the torch paths). Teacher-forced, every position is judged on the fp32 run's own context: the
+# quantized cache's next token against the fp32 run's, 8 prompts x 48 positions. Measured on the Zen 3: int8
+# 0.974 (torch paths 0.982), fp8 e4m3 0.940 (0.948), the fp32 cache itself 1.000; floors below that.
+FLOORS = {"int8": 0.95, "fp8_e4m3": 0.90}
+
+
+def teacher_forced(model_dir, prompts, reference, **settings) -> list[int]:
+    """The next token after each prompt + reference[:t], t < len(reference): one prompt row each, so the quantized cache
+    holds the whole context (written, then read back by the attention)."""
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=1024, **settings)
+    forced = [p + r[:t] for p, r in zip(prompts, reference) for t in range(len(r))]
+    outs = llm.generate(forced, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks, "blocks leaked"
+    return [o.outputs[0].token_ids[0] for o in outs]
 
 
 @pytest.mark.slow
@@ -65,9 +77,19 @@ def test_greedy_with_quantized_kv_tracks_the_fp32_cache(kv_cache_dtype, smollm2_
     llm, got = greedy(smollm2_dir, chat_prompt_ids, kv_cache_dtype=kv_cache_dtype)
     assert kv_quant.layout_of(llm.engine.runner.kv_caches[0][0]).kv_cache_dtype == kv_cache_dtype
     frac, exact = agreement(got, fp32_cache_greedy)
-    print(f"{kv_cache_dtype}: token agreement {frac:.3f}, {exact}/{len(got)} prompts identical")
-    floor_frac, floor_exact = FLOORS[kv_cache_dtype]
-    assert frac >= floor_frac and exact >= floor_exact, (frac, exact)
+    forced = teacher_forced(smollm2_dir, chat_prompt_ids, fp32_cache_greedy, kv_cache_dtype=kv_cache_dtype)
+    want = [t for r in fp32_cache_greedy for t in r]
+    forced_frac = sum(a == b for a, b in zip(forced, want)) / len(want)
+    print(f"{kv_cache_dtype}: free-running {frac:.3f} of the tokens, {exact}/{len(got)} prompts identical; "
+          f"teacher-forced {forced_frac:.3f} of {len(want)} positions")
+    assert forced_frac >= FLOORS[kv_cache_dtype], forced_frac
+
+
+def test_teacher_forced_fp32_cache_gives_the_greedy_tokens(smollm2_dir, chat_prompt_ids, fp32_cache_greedy):
+    # The measure's own zero: the fp32 cache, forced on its own greedy tokens, picks them again (prompt rows and
+    # decode rows agree up to last bits, far from the ties that would move a token here).
+    forced = teacher_forced(smollm2_dir, chat_prompt_ids[:2], fp32_cache_greedy[:2])
+    assert forced == [t for r in fp32_cache_greedy[:2] for t in r]
 
 
 # Prefix caching alone, swap or recompute preemption alone: bit for bit what the engine gives without them.
