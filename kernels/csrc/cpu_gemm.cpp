@@ -90,8 +90,10 @@ __attribute__((noinline)) void micro_kernel(const float* a, const W* panel, int6
   PC_ROWS(PC_STORE)
 }
 
-// One or two rows (decode): too few independent FMA chains to hide the FMA latency, so the k loop
-// runs S interleaved accumulator sets, summed at the end.
+// One or two rows (decode): the weights streamed from memory with every line asked for PD rows ahead. S > 1
+// interleaves S accumulator sets over k (summed at the end) to hide the FMA latency, but then a row's sums differ
+// from micro_kernel's (batch invariance): tile() runs S = 1, as fast here, the weight read being the bound (AMD
+// Zen 3: 26-32 GB/s at one row either way).
 template <int R, int S, typename W>
 __attribute__((noinline)) void micro_kernel_thin(const float* a, const W* panel, int64_t K, float* c) {
   __m256 acc[S][R][2];
