@@ -35,3 +35,15 @@ def test_the_ops_build_on_this_cpu():
     # skip without the module: here it fails, so CI on a CPU the sources do not build for goes red (an AVX-512
     # store outside its guard once left an AVX2-only CPU on the torch paths).
     assert cpu_ext.load() is not None
+
+
+@pytest.mark.skipif(os.environ.get("PAGEDCORE_CPU_EXT") == "0" or shutil.which("c++") is None
+                    or not Path("/proc/cpuinfo").exists(), reason="the ops are built where a compiler is (Linux)")
+def test_the_greedy_head_builds_on_every_avx2_cpu():
+    # Its fp32 kernel exists for AVX-512 BW + VNNI and for AVX2 + FMA (cpu_greedy_head_avx2.cpp); without it every
+    # greedy step computes the whole fp32 LM head (its tests would only skip).
+    line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    flags = set(line.split(":", 1)[1].split())
+    if not ({"avx2", "fma"} <= flags or {"avx512bw", "avx512_vnni"} <= flags):
+        pytest.skip("neither AVX2 + FMA nor AVX-512 BW + VNNI here")
+    assert cpu_ext.load().greedy_head_supported()

@@ -13,7 +13,7 @@ from pagedcore.kernels import cpu_ext
 
 ext = cpu_ext.load()
 pytestmark = pytest.mark.skipif(ext is None or not ext.greedy_head_supported(),
-                                reason="the greedy head needs the C++ ops on an AVX-512 BW + VNNI CPU")
+                                reason="the greedy head needs the C++ ops on an AVX-512 BW + VNNI or AVX2 + FMA CPU")
 
 
 def full_argmax(x: torch.Tensor, panels: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -47,7 +47,7 @@ def unguarded(text: str, aliases: dict[str, str] | None = None) -> list[tuple[in
             else:
                 stack.pop()
             continue
-        flag = FLAG.match(stripped)
+        flag = FLAG.match(stripped.split("//", 1)[0].rstrip())  # a define with its comment too
         if flag:
             aliases[flag.group(1)] = " && ".join(c for c in stack if c != NEGATED)
         code = line.split("//", 1)[0]
@@ -82,3 +82,5 @@ def test_the_check_finds_what_broke_the_avx2_build():
     assert [no for no, _ in unguarded(elif_avx2)] == [6]
     aliased = "#if defined(__AVX2__)\n#define HAS_AVX2 1\n#endif\n#ifdef HAS_AVX2\n__m256 v;\n#endif\n__m256 w;\n"
     assert [no for no, _ in unguarded(aliased)] == [7]
+    commented = aliased.replace("HAS_AVX2 1\n", "HAS_AVX2 1  // why\n")
+    assert [no for no, _ in unguarded(commented)] == [7]

@@ -29,7 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exact_int4_panels", &exact_int4_panels,
         "fp32 panels [P, K, 16] exactly 4-bit per group -> (int4 panels int16 [P, K / 4, 16], fp16 scale/min [P, K / G, 2, 16]), "
         "or undefined tensors");
-  m.def("greedy_head_supported", &greedy_head_supported, "whether greedy_head runs here (AVX-512 BW and VNNI)");
+  m.def("greedy_head_supported", &greedy_head_supported, "whether greedy_head runs here (AVX-512 BW and VNNI, or AVX2 and FMA)");
   m.def("greedy_head_pack", &greedy_head_pack, "fp32 W [V, K] -> (int8 codes [ceil(V/16), ceil(K/2), 32], stats [4, V])");
   m.def("greedy_head", &greedy_head,
         "per row of x: (argmax of x W^T as pack_linear_weight's fp32 panels of W [V, K] give it, or -1 where x or "

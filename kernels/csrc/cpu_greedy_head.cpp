@@ -15,6 +15,7 @@
 //      as the fp32 panels would, the same FMA chain over k the GEMM tile runs (bit for bit), read from the
 //      weight's rows; the largest wins, the lowest index on ties (argmax_logsumexp's rule).
 // A row whose x or candidate logits are not finite returns -1: the caller computes its logits the usual way.
+// AVX2 CPUs without AVX-512 run the fp32 head's port (cpu_greedy_head_avx2.cpp), the same codes and bounds.
 // bf16 heads in the VNNI pair layout, where the AVX512-BF16 tiles run them (no AMX: vnni_silu_mul_runs), take the
 // same three steps at twice the rate: x as uint8 codes (t = max|x| / 127, stored + 128) against the int8 codes of
 // W with vpdpbusd (64 products per instruction; the + 128 taken back through each column's sum of codes), except
@@ -23,6 +24,7 @@
 // to the same bf16 as the largest (2 bf16 ulps below L); their logits from the dp tile's chain (vdpbf16ps over the
 // pairs in order, from +0), rounded to bf16 as the GEMM stores them. Bundled model, bf16, 64 decode rows of the bench's
 // random prompts (~190 candidates a row): ~7.5 ms where the logits took ~9.6 and their argmax ~1.6; one row 0.9 / 1.7.
+#include "greedy_head_codes.h"
 #include "ops.h"
 #include "zmm_tile.h"
 
@@ -35,34 +37,13 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#ifdef PC_GREEDY_HEAD
 #include <immintrin.h>
-#define PC_GREEDY_HEAD 1
-#if defined(__AVX512BF16__)
-#define PC_GREEDY_HEAD_BF16 1
 #endif
-#endif
+
+using namespace greedy_codes;
 
 namespace {
-constexpr int64_t NR = 16;     // columns per panel (the fp32 panels' and the codes')
-constexpr int64_t MAX_K = 1032;  // 127 * 16383 * K stays inside int32
-constexpr float XMAX = 16383.f;
-constexpr float XMAX8 = 127.f;  // the bf16 head's uint8 x codes: -127..127, stored + 128
-constexpr double UNIT = 1.0 / (1 << 24);  // fp32 unit roundoff
-enum Stat { SCALE, WERR, L1, W1, NSTATS };
-
-// From the exponent bits: -ffast-math (cpu_ext.py's flags) lets the compiler fold std::isfinite to true.
-inline bool finite_bits(double v) {
-  uint64_t b;
-  std::memcpy(&b, &v, 8);
-  return ((b >> 52) & 0x7ff) != 0x7ff;
-}
-inline bool finite_bits(float v) {
-  uint32_t b;
-  std::memcpy(&b, &v, 4);
-  return ((b >> 23) & 0xff) != 0xff;
-}
-
 #ifdef PC_GREEDY_HEAD
 constexpr int64_t GR = 6;  // rows per tile
 constexpr int64_t GP = 4;  // panels per tile: GR x GP int32 accumulators
@@ -201,93 +182,7 @@ void exact16_bf16(const c10::BFloat16* x, int64_t K, const c10::BFloat16* rows, 
   }
 }
 #endif
-#endif
-}  // namespace
 
-namespace {
-// Codes of one vocab row w(k), k < K, into its code slots, and its stats: scale, the codes' max error, sum |s q|,
-// sum |w| (rounded up into fp32: the bounds only grow). False if the row is not finite.
-template <typename Get, typename Put>
-bool pack_row(Get w, Put put, int64_t K, int64_t j, int64_t V, float* ps, int32_t* colsum) {
-  double m = 0.0;
-  bool ok = true;
-  for (int64_t k = 0; k < K; ++k) m = std::max(m, std::fabs(double(w(k)))), ok = ok && finite_bits(w(k));
-  const float s = m > 0.0 ? float(m / 127.0) : 1.f;
-  double err = 0.0, l1 = 0.0, w1 = 0.0;
-  int32_t sum = 0;
-  for (int64_t k = 0; k < K; ++k) {
-    const int q = int(std::max(-127.0, std::min(127.0, std::nearbyint(double(w(k)) / s))));
-    put(k, int8_t(q));
-    sum += q;
-    err = std::max(err, std::fabs(double(w(k)) - double(s) * q));
-    l1 += std::fabs(double(s) * q);
-    w1 += std::fabs(double(w(k)));
-  }
-  ps[SCALE * V + j] = s;
-  ps[WERR * V + j] = float(err * (1 + 1e-6));
-  ps[L1 * V + j] = float(l1 * (1 + 1e-6));
-  ps[W1 * V + j] = float(w1 * (1 + 1e-6));
-  if (colsum != nullptr) colsum[j] = sum;
-  return ok;
-}
-
-// x's codes (int16 pairs, or uint8 quads stored + 128) and what the bounds need of each row: the scale t, |x|_1,
-// max|x| and the codes' max error. A row that is not finite is marked and keeps token -1. With `outliers`, the
-// dims with the largest |x| over the rows (LLMs' massive activations: one dim of the bundled model's final hidden
-// states is ~40 where the median is ~0.4) are left out of the codes (code 0) and kept as they are (xo): coded, they
-// set t for every dim, and uint8 codes then bounded half the vocabulary into the candidates.
-struct RowCodes {
-  std::vector<int32_t> words;  // per row: `per_row` 32-bit words
-  int64_t per_row = 0;
-  std::vector<float> t, x1, xinf, xerr;
-  std::vector<char> ok;
-  std::vector<int32_t> dims;  // the outlier dims
-  std::vector<float> xo, xo1;  // per row: x at those dims, and sum of their |x|
-};
-
-template <typename X>
-RowCodes quantize_rows(const X* px, int64_t B, int64_t K, bool u8, const int32_t* dims, int64_t ndims) {
-  RowCodes rc;
-  rc.per_row = u8 ? K / 4 : (K + 1) / 2;
-  rc.words.assign(B * rc.per_row, 0);
-  rc.t.resize(B), rc.x1.resize(B), rc.xinf.resize(B), rc.xerr.resize(B), rc.ok.resize(B);
-  rc.dims.assign(dims, dims + ndims);
-  std::vector<char> out(K, 0);
-  for (int32_t k : rc.dims) out[k] = 1;
-  const int64_t no = int64_t(rc.dims.size());
-  rc.xo.assign(B * no, 0.f), rc.xo1.assign(B, 0.f);
-  const double xmax = u8 ? XMAX8 : XMAX;
-  for (int64_t r = 0; r < B; ++r) {
-    const X* row = px + r * K;
-    double a1 = 0.0, am = 0.0, o1 = 0.0, all = 0.0, mall = 0.0;
-    for (int64_t k = 0; k < K; ++k) {
-      const double v = std::fabs(double(row[k]));
-      all += v, mall = std::max(mall, v);
-      if (out[k]) o1 += v;
-      else a1 += v, am = std::max(am, v);
-    }
-    rc.ok[r] = finite_bits(all);
-    for (int64_t i = 0; i < no; ++i) rc.xo[r * no + i] = float(row[rc.dims[i]]);
-    rc.xo1[r] = float(o1 * (1 + 1e-6));
-    const float tr = am > 0.0 ? float(am / xmax) : 1.f;
-    rc.t[r] = tr, rc.x1[r] = float(a1 * (1 + 1e-6)), rc.xinf[r] = float(mall);
-    double e = 0.0;
-    auto* w16 = reinterpret_cast<int16_t*>(rc.words.data() + r * rc.per_row);
-    auto* w8 = reinterpret_cast<uint8_t*>(rc.words.data() + r * rc.per_row);
-    for (int64_t k = 0; rc.ok[r] && k < K; ++k) {
-      const double q = out[k] ? 0.0 : std::max(-xmax, std::min(xmax, std::nearbyint(double(row[k]) / tr)));
-      if (u8)
-        w8[k] = uint8_t(int(q) + 128);
-      else
-        w16[k] = int16_t(q);
-      if (!out[k]) e = std::max(e, std::fabs(double(row[k]) - double(tr) * q));
-    }
-    rc.xerr[r] = float(e * (1 + 1e-6));
-  }
-  return rc;
-}
-
-#ifdef PC_GREEDY_HEAD
 // Where a candidate must reach to matter against the largest lower bound L: L itself for fp32 logits; for logits
 // rounded to bf16, 2 bf16 ulps below it (any logit below that rounds below what the largest rounds to).
 template <bool BF16>
@@ -426,7 +321,7 @@ void argmax_rows(const RowCodes& rc, int64_t B, int64_t K, int64_t V, int64_t P,
 }  // namespace
 
 bool greedy_head_supported() {
-#ifdef PC_GREEDY_HEAD
+#if defined(PC_GREEDY_HEAD) || defined(PC_GREEDY_HEAD_AVX2)
   return true;
 #else
   return false;
@@ -503,7 +398,7 @@ void check_stats(const torch::Tensor& stats, int64_t V) {
 
 std::tuple<torch::Tensor, torch::Tensor> greedy_head(torch::Tensor x, torch::Tensor codes, torch::Tensor stats,
                                                      torch::Tensor weight) {
-  TORCH_CHECK(greedy_head_supported(), "greedy_head: needs AVX-512 BW and VNNI");
+  TORCH_CHECK(greedy_head_supported(), "greedy_head: needs AVX-512 BW and VNNI, or AVX2 and FMA");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: fp32 [B, K]");
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.size(2) == 2 * NR,
               "codes: greedy_head_pack's");
@@ -526,6 +421,11 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_head(torch::Tensor x, torch::Ten
                        _mm512_store_ps(out, exact16(px + r * K, K, pw, cols, n));
                      },
                      tokens.data_ptr<int64_t>(), counts.data_ptr<int32_t>());
+#elif defined(PC_GREEDY_HEAD_AVX2)
+  const float* px = xc.data_ptr<float>();
+  argmax_rows_avx2(quantize_rows(px, B, K, false, nullptr, 0), px, B, K, V, P, codes.data_ptr<int8_t>(),
+                   stats.data_ptr<float>(), weight.data_ptr<float>(), tokens.data_ptr<int64_t>(),
+                   counts.data_ptr<int32_t>());
 #endif
   return {tokens, counts};
 }
