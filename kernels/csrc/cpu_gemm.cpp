@@ -65,12 +65,20 @@ inline void load16(const c10::BFloat16* p, __m256& lo, __m256& hi) {
 
 // C[R, 16] = A @ panel[K, 16], A packed [K, R] fp32; R <= MR, results to c (row stride 16).
 // Accumulators are named variables, not an array: with an array GCC spills them every iteration.
+// pf_n lines from pf (the decode stack's next K/V rows, a LineStream's share) are asked for into L2 on the way, one
+// every K / pf_n steps.
 #define PC_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 template <int R, typename W>
-__attribute__((noinline)) void micro_kernel(const float* a, const W* panel, int64_t K, float* c) {
+__attribute__((noinline)) void micro_kernel(const float* a, const W* panel, int64_t K, float* c, const char* pf,
+                                            int64_t pf_n) {
 #define PC_DECL(r) __m256 c##r##0 = _mm256_setzero_ps(), c##r##1 = _mm256_setzero_ps();
   PC_ROWS(PC_DECL)
-  for (int64_t k = 0; k < K; ++k) {
+  const int64_t every = pf_n > 0 ? std::max<int64_t>(1, K / pf_n) : K + 1;
+  for (int64_t k = 0, due = every; k < K; ++k) {
+    if (--due == 0) {
+      if (pf_n > 0) _mm_prefetch(pf, _MM_HINT_T1), pf += 64, --pf_n;
+      due = every;
+    }
     __m256 b0, b1;
     load16(panel + k * NR, b0, b1);
     const float* ak = a + k * R;
@@ -88,6 +96,7 @@ __attribute__((noinline)) void micro_kernel(const float* a, const W* panel, int6
     _mm256_storeu_ps(c + r * NR + 8, c##r##1);            \
   }
   PC_ROWS(PC_STORE)
+  for (; pf_n > 0; --pf_n, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
 }
 
 // One or two rows (decode): the weights streamed from memory with every line asked for PD rows ahead. S > 1
@@ -139,7 +148,7 @@ __attribute__((noinline)) void micro_kernel_thin(const float* a, const W* panel,
 #define PC_THIN 1
 #else
 template <int R, typename W>
-void micro_kernel(const float* a, const W* panel, int64_t K, float* c) {
+void micro_kernel(const float* a, const W* panel, int64_t K, float* c, const char*, int64_t) {
   float acc[R][NR] = {};
   for (int64_t k = 0; k < K; ++k) {
     const W* b = panel + k * NR;
@@ -153,22 +162,30 @@ void micro_kernel(const float* a, const W* panel, int64_t K, float* c) {
 }
 #endif
 
+// pf_n lines from pf asked for on the way (micro_kernel's; the thin kernels stream weights: asked for before).
 template <typename W>
-inline void tile(int64_t rows, const float* a, const W* panel, int64_t K, float* c) {
+inline void tile(int64_t rows, const float* a, const W* panel, int64_t K, float* c, const char* pf = nullptr,
+                 int64_t pf_n = 0) {
   switch (rows) {
 #ifdef PC_THIN
     // One accumulator set (S = 1): each output the same FMA chain over k as in micro_kernel, so a row's result
     // does not depend on how many rows share its step (interleaved sets, 4 at one row, broke batch invariance).
-    case 1: micro_kernel_thin<1, 1>(a, panel, K, c); break;
-    case 2: micro_kernel_thin<2, 1>(a, panel, K, c); break;
+    case 1:
+    case 2:
+      for (; pf_n > 0; --pf_n, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+      if (rows == 1)
+        micro_kernel_thin<1, 1>(a, panel, K, c);
+      else
+        micro_kernel_thin<2, 1>(a, panel, K, c);
+      break;
 #else
-    case 1: micro_kernel<1>(a, panel, K, c); break;
-    case 2: micro_kernel<2>(a, panel, K, c); break;
+    case 1: micro_kernel<1>(a, panel, K, c, pf, pf_n); break;
+    case 2: micro_kernel<2>(a, panel, K, c, pf, pf_n); break;
 #endif
-    case 3: micro_kernel<3>(a, panel, K, c); break;
-    case 4: micro_kernel<4>(a, panel, K, c); break;
-    case 5: micro_kernel<5>(a, panel, K, c); break;
-    default: micro_kernel<6>(a, panel, K, c); break;
+    case 3: micro_kernel<3>(a, panel, K, c, pf, pf_n); break;
+    case 4: micro_kernel<4>(a, panel, K, c, pf, pf_n); break;
+    case 5: micro_kernel<5>(a, panel, K, c, pf, pf_n); break;
+    default: micro_kernel<6>(a, panel, K, c, pf, pf_n); break;
   }
 }
 
@@ -430,8 +447,10 @@ void silu_mul_panels_zmm(const PackedWeight& w, const GemmInput& in, X* y, int64
 }
 #endif
 
+// side: lines to ask for over the tiles (the decode stack's next K/V rows; the zmm tiles take none).
 template <typename X, typename W>
-void dense_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1, std::vector<float>& wbuf) {
+void dense_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1, std::vector<float>& wbuf,
+                  LineStream* side) {
   const int64_t M = in.M, N = w.N, K = w.K;
   const W* packed = static_cast<const W*>(w.w);
   const bool widen = M > WIDEN_ROWS;
@@ -439,6 +458,7 @@ void dense_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, 
   if (std::is_same_v<W, float> || widen) return dense_panels_zmm<X, W>(w, in, y, p0, p1, wbuf);
 #endif
   if (widen && int64_t(wbuf.size()) < K * NR) wbuf.resize(K * NR);
+  if (side != nullptr) side->pace((p1 - p0) * ((M + MR - 1) / MR));
   float c[MR * NR];
   for (int64_t m0 = 0; m0 < M; m0 += MC) {
     const int64_t m1 = std::min(M, m0 + MC);
@@ -448,10 +468,11 @@ void dense_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, 
       const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
       for (int64_t i = m0; i < m1; i += MR) {
         const int64_t rows = std::min(MR, m1 - i);
+        const auto [pf, pf_n] = side != nullptr ? side->take() : std::pair<const char*, int64_t>{nullptr, 0};
         if (wide)
-          tile(rows, in.xp.data() + i * K, wide, K, c);
+          tile(rows, in.xp.data() + i * K, wide, K, c, pf, pf_n);
         else
-          tile(rows, in.xp.data() + i * K, panel, K, c);
+          tile(rows, in.xp.data() + i * K, panel, K, c, pf, pf_n);
         store_tile(c, rows, ncols, w.bias, n0, y + i * N + n0, N);
       }
     }
@@ -1048,10 +1069,11 @@ void fill_input(const PackedWeight& w, const X* x, GemmInput& in, int64_t t0, in
 }
 
 template <typename X>
-void panels_of(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1, std::vector<float>& wbuf) {
+void panels_of(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1, std::vector<float>& wbuf,
+               LineStream* side) {
   switch (w.type) {
-    case at::kFloat: return dense_panels<X, float>(w, in, y, p0, p1, wbuf);
-    case at::kBFloat16: return dense_panels<X, c10::BFloat16>(w, in, y, p0, p1, wbuf);
+    case at::kFloat: return dense_panels<X, float>(w, in, y, p0, p1, wbuf, side);
+    case at::kBFloat16: return dense_panels<X, c10::BFloat16>(w, in, y, p0, p1, wbuf, side);
     case at::kChar:
       if (w.half_scales) {
         if (in.int8) return int8_int8_panels<X, c10::Half>(w, in, y, p0, p1);
@@ -1229,10 +1251,10 @@ void gemm_input_fill(const PackedWeight& w, at::ScalarType x_type, const void* x
 
 void gemm_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0, int64_t p1,
                  std::vector<float>& wbuf, LineStream* side) {
-  if (w.vnni) return vnni_panels(w, in, x_type, y, p0, p1, side);  // (the fp32 tiles take no stream)
-  if (x_type == at::kFloat) return panels_of(w, in, static_cast<float*>(y), p0, p1, wbuf);
+  if (w.vnni) return vnni_panels(w, in, x_type, y, p0, p1, side);
+  if (x_type == at::kFloat) return panels_of(w, in, static_cast<float*>(y), p0, p1, wbuf, side);
   TORCH_CHECK(x_type == at::kBFloat16, "x: float32 or bfloat16");
-  panels_of(w, in, static_cast<c10::BFloat16*>(y), p0, p1, wbuf);
+  panels_of(w, in, static_cast<c10::BFloat16*>(y), p0, p1, wbuf, side);
 }
 
 bool silu_mul_runs(const PackedWeight& w, int64_t M) {
