@@ -48,6 +48,19 @@ inline float wval(const W* p) { return static_cast<float>(*p); }
 template <>
 inline float wval<c10::BFloat16>(const c10::BFloat16* p) { return bf16_to_float(p->x); }
 
+// n cache lines from p, to ask for ahead of use.
+struct Lines {
+  const char* p = nullptr;
+  int64_t n = 0;
+  void all(int hint) {  // every one left, now
+#ifdef PC_AVX2
+    for (; n > 0; --n, p += 64) hint == _MM_HINT_T0 ? _mm_prefetch(p, _MM_HINT_T0) : _mm_prefetch(p, _MM_HINT_T1);
+#else
+    (void)hint, n = 0;
+#endif
+  }
+};
+
 #ifdef PC_AVX2
 // 16 packed weights -> two 8-lane fp32 vectors.
 inline void load16(const float* p, __m256& lo, __m256& hi) {
@@ -65,18 +78,20 @@ inline void load16(const c10::BFloat16* p, __m256& lo, __m256& hi) {
 
 // C[R, 16] = A @ panel[K, 16], A packed [K, R] fp32; R <= MR, results to c (row stride 16).
 // Accumulators are named variables, not an array: with an array GCC spills them every iteration.
-// pf_n lines from pf (the decode stack's next K/V rows, a LineStream's share) are asked for into L2 on the way, one
-// every K / pf_n steps.
+// Lines asked for on the way, spread over the k steps: `next` (this thread's next panel, into L1: from memory, the
+// first row tile of each panel waited on it) and `side` (the decode stack's next K/V rows, a LineStream's share, into
+// L2).
 #define PC_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 template <int R, typename W>
-__attribute__((noinline)) void micro_kernel(const float* a, const W* panel, int64_t K, float* c, const char* pf,
-                                            int64_t pf_n) {
+__attribute__((noinline)) void micro_kernel(const float* a, const W* panel, int64_t K, float* c, Lines next,
+                                            Lines side) {
 #define PC_DECL(r) __m256 c##r##0 = _mm256_setzero_ps(), c##r##1 = _mm256_setzero_ps();
   PC_ROWS(PC_DECL)
-  const int64_t every = pf_n > 0 ? std::max<int64_t>(1, K / pf_n) : K + 1;
+  const int64_t most = std::max(next.n, side.n), every = most > 0 ? std::max<int64_t>(1, K / most) : K + 1;
   for (int64_t k = 0, due = every; k < K; ++k) {
     if (--due == 0) {
-      if (pf_n > 0) _mm_prefetch(pf, _MM_HINT_T1), pf += 64, --pf_n;
+      if (next.n > 0) _mm_prefetch(next.p, _MM_HINT_T0), next.p += 64, --next.n;
+      if (side.n > 0) _mm_prefetch(side.p, _MM_HINT_T1), side.p += 64, --side.n;
       due = every;
     }
     __m256 b0, b1;
@@ -96,7 +111,7 @@ __attribute__((noinline)) void micro_kernel(const float* a, const W* panel, int6
     _mm256_storeu_ps(c + r * NR + 8, c##r##1);            \
   }
   PC_ROWS(PC_STORE)
-  for (; pf_n > 0; --pf_n, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+  next.all(_MM_HINT_T0), side.all(_MM_HINT_T1);
 }
 
 // One or two rows (decode): the weights streamed from memory with every line asked for PD rows ahead. S > 1
@@ -148,7 +163,7 @@ __attribute__((noinline)) void micro_kernel_thin(const float* a, const W* panel,
 #define PC_THIN 1
 #else
 template <int R, typename W>
-void micro_kernel(const float* a, const W* panel, int64_t K, float* c, const char*, int64_t) {
+void micro_kernel(const float* a, const W* panel, int64_t K, float* c, Lines, Lines) {
   float acc[R][NR] = {};
   for (int64_t k = 0; k < K; ++k) {
     const W* b = panel + k * NR;
@@ -162,30 +177,30 @@ void micro_kernel(const float* a, const W* panel, int64_t K, float* c, const cha
 }
 #endif
 
-// pf_n lines from pf asked for on the way (micro_kernel's; the thin kernels stream weights: asked for before).
+// next / side: lines asked for on the way (micro_kernel's; before the thin kernels, which stream their weights).
 template <typename W>
-inline void tile(int64_t rows, const float* a, const W* panel, int64_t K, float* c, const char* pf = nullptr,
-                 int64_t pf_n = 0) {
+inline void tile(int64_t rows, const float* a, const W* panel, int64_t K, float* c, Lines next = {},
+                 Lines side = {}) {
   switch (rows) {
 #ifdef PC_THIN
     // One accumulator set (S = 1): each output the same FMA chain over k as in micro_kernel, so a row's result
     // does not depend on how many rows share its step (interleaved sets, 4 at one row, broke batch invariance).
     case 1:
     case 2:
-      for (; pf_n > 0; --pf_n, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+      next.all(_MM_HINT_T0), side.all(_MM_HINT_T1);
       if (rows == 1)
         micro_kernel_thin<1, 1>(a, panel, K, c);
       else
         micro_kernel_thin<2, 1>(a, panel, K, c);
       break;
 #else
-    case 1: micro_kernel<1>(a, panel, K, c, pf, pf_n); break;
-    case 2: micro_kernel<2>(a, panel, K, c, pf, pf_n); break;
+    case 1: micro_kernel<1>(a, panel, K, c, next, side); break;
+    case 2: micro_kernel<2>(a, panel, K, c, next, side); break;
 #endif
-    case 3: micro_kernel<3>(a, panel, K, c, pf, pf_n); break;
-    case 4: micro_kernel<4>(a, panel, K, c, pf, pf_n); break;
-    case 5: micro_kernel<5>(a, panel, K, c, pf, pf_n); break;
-    default: micro_kernel<6>(a, panel, K, c, pf, pf_n); break;
+    case 3: micro_kernel<3>(a, panel, K, c, next, side); break;
+    case 4: micro_kernel<4>(a, panel, K, c, next, side); break;
+    case 5: micro_kernel<5>(a, panel, K, c, next, side); break;
+    default: micro_kernel<6>(a, panel, K, c, next, side); break;
   }
 }
 
@@ -459,20 +474,25 @@ void dense_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, 
 #endif
   if (widen && int64_t(wbuf.size()) < K * NR) wbuf.resize(K * NR);
   if (side != nullptr) side->pace((p1 - p0) * ((M + MR - 1) / MR));
+  const int64_t panel_lines = K * NR * int64_t(sizeof(W)) / 64;
   float c[MR * NR];
   for (int64_t m0 = 0; m0 < M; m0 += MC) {
-    const int64_t m1 = std::min(M, m0 + MC);
+    const int64_t m1 = std::min(M, m0 + MC), tiles = (m1 - m0 + MR - 1) / MR;
+    // The next panel spread over this one's row tiles (from 3 rows: the thin kernels ask for theirs PD rows ahead).
+    const int64_t per_tile = M > 2 ? (panel_lines + tiles - 1) / tiles : 0;
     for (int64_t p = p0; p < p1; ++p) {
       const W* panel = packed + p * K * NR;
       const float* wide = widen ? widen_panel(panel, K, wbuf.data()) : nullptr;
       const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
-      for (int64_t i = m0; i < m1; i += MR) {
+      const char* next = reinterpret_cast<const char*>(panel + K * NR);
+      for (int64_t i = m0, t = 0; i < m1; i += MR, ++t) {
         const int64_t rows = std::min(MR, m1 - i);
+        const Lines ahead{next + t * per_tile * 64, p + 1 < p1 ? std::clamp<int64_t>(panel_lines - t * per_tile, 0, per_tile) : 0};
         const auto [pf, pf_n] = side != nullptr ? side->take() : std::pair<const char*, int64_t>{nullptr, 0};
         if (wide)
-          tile(rows, in.xp.data() + i * K, wide, K, c, pf, pf_n);
+          tile(rows, in.xp.data() + i * K, wide, K, c, ahead, {pf, pf_n});
         else
-          tile(rows, in.xp.data() + i * K, panel, K, c, pf, pf_n);
+          tile(rows, in.xp.data() + i * K, panel, K, c, ahead, {pf, pf_n});
         store_tile(c, rows, ncols, w.bias, n0, y + i * N + n0, N);
       }
     }
