@@ -47,6 +47,24 @@ def test_step_profile_parts_add_up_and_instrumentation_is_removed(tiny_model_dir
     assert not engine.has_unfinished_requests() and engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
+
+def test_the_stack_row_is_the_fastest_of_its_repeats(tiny_model_dir, monkeypatch):
+    """Each repeat a fresh batch through _profile; the decode stack's row is the fastest, the layered one runs once."""
+    engine = LLMEngine(model=str(tiny_model_dir("llama")), num_kv_blocks=64, max_num_seqs=4)
+    real, seen = step_profile._profile, []
+
+    def recorded(*args, **kwargs):
+        row = real(*args, **kwargs)
+        seen.append((kwargs["per_module"], row))
+        return row
+
+    monkeypatch.setattr(step_profile, "_profile", recorded)
+    row = step_profile.profile_decode(engine, 2, prompt_len=12, steps=2, repeats=3)
+    stack_rows = [r for per_module, r in seen if not per_module]
+    assert len(stack_rows) == 3 and [per_module for per_module, _ in seen].count(True) == 1
+    assert row["step_ms"] == min(r["step_ms"] for r in stack_rows) and row in stack_rows
+    assert not engine.has_unfinished_requests() and engine.kv.num_free_blocks == engine.kv.num_blocks
+
 def test_bench_step_cli(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "step.json"
     rc = main(["bench", "step", "--model", str(tiny_model_dir("llama")), "--dtype", "float32", "--batches", "1,2",
