@@ -24,7 +24,8 @@
 //      dominates); over 48 chat prompts the engine's bf16 greedy text follows transformers' bf16 for 14.2 tokens
 //      on average before a near-tie parts them, 12.4 with fp32 weights (torch rounds P too).
 // In the decode stack at 8+ rows, the rows a layer's items read were asked for during the previous layer's gate/up
-// GEMM (kv_lines, LineStream): from L3 rather than memory, a 64-row step's attention ~11.8 -> ~8.1 ms on Zen 4.
+// GEMM (kv_lines, LineStream): from L3 rather than memory, a 64-row step's attention ~11.8 -> ~8.1 ms on Zen 4 (VNNI
+// tiles), ~19 -> ~13 ms on an AVX2 Zen 3 (fp32 panels).
 // bf16 K/V are widened in registers with one 32-byte load per 16 elements: even elements = lane << 16,
 // odd ones = lane & 0xffff0000 (a bf16 is the top half of an fp32); q and the V accumulators are kept
 // in that (even, odd) order, so the loops never shuffle. fp16 goes through F16C.

@@ -301,19 +301,7 @@ void argmax_rows(const RowCodes& rc, int64_t B, int64_t K, int64_t V, int64_t P,
         }
       }
       pcnt[r] = int32_t(count);
-      float best = -std::numeric_limits<float>::infinity();
-      int64_t arg = -1;
-      bool all_finite = count > 0;
-      for (int64_t i = 0; i < count; i += NR) {
-        const int64_t n = std::min<int64_t>(NR, count - i);
-        alignas(64) float v[NR];
-        exact(r, cand.data() + i, n, v);
-        for (int64_t c = 0; c < n; ++c) {
-          all_finite = all_finite && finite_bits(v[c]);
-          if (v[c] > best) best = v[c], arg = cand[i + c];  // increasing j: ties keep the first
-        }
-      }
-      ptok[r] = all_finite ? arg : -1;
+      ptok[r] = first_largest(cand.data(), count, [&](const int32_t* cols, int64_t n, float* out) { exact(r, cols, n, out); });
     }
   });
 }

@@ -172,24 +172,13 @@ void argmax_rows_avx2(const RowCodes& rc, const float* x, int64_t B, int64_t K, 
         if (V - j < 8) m &= (1u << (V - j)) - 1;
         for (; m != 0; m &= m - 1) cand.push_back(int32_t(j + __builtin_ctz(m)));
       }
-      const int64_t count = int64_t(cand.size());
-      pcnt[r] = int32_t(count);
-      float best = -std::numeric_limits<float>::infinity();
-      int64_t arg = -1;
-      bool all_finite = count > 0;
-      for (int64_t i = 0; i < count; i += NR) {
-        const int64_t nc = std::min<int64_t>(NR, count - i);
-        alignas(32) float v[NR];
-        if (nc > 8)
-          exact16<true>(x + r * K, K, weight, cand.data() + i, nc, v);
+      pcnt[r] = int32_t(cand.size());
+      ptok[r] = first_largest(cand.data(), int64_t(cand.size()), [&](const int32_t* cols, int64_t n, float* out) {
+        if (n > 8)
+          exact16<true>(x + r * K, K, weight, cols, n, out);
         else
-          exact16<false>(x + r * K, K, weight, cand.data() + i, nc, v);
-        for (int64_t c = 0; c < nc; ++c) {
-          all_finite = all_finite && finite_bits(v[c]);
-          if (v[c] > best) best = v[c], arg = cand[i + c];  // increasing j: ties keep the first
-        }
-      }
-      ptok[r] = all_finite ? arg : -1;
+          exact16<false>(x + r * K, K, weight, cols, n, out);
+      });
     }
   });
 }

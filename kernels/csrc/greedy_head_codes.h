@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -117,6 +118,26 @@ RowCodes quantize_rows(const X* px, int64_t B, int64_t K, bool u8, const int32_t
     rc.xerr[r] = float(e * (1 + 1e-6));
   }
   return rc;
+}
+
+// The first of the largest exact logits of the candidates cand[0, count) (in index order: ties keep the lowest,
+// argmax_logsumexp's rule), exact(cols, n, out) giving up to NR of them at a time; -1 if there are none or one is
+// not finite (the caller then computes the row's logits).
+template <typename Exact>
+int64_t first_largest(const int32_t* cand, int64_t count, Exact exact) {
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t arg = -1;
+  bool all_finite = count > 0;
+  for (int64_t i = 0; i < count; i += NR) {
+    const int64_t n = std::min<int64_t>(NR, count - i);
+    alignas(64) float v[NR];
+    exact(cand + i, n, v);
+    for (int64_t c = 0; c < n; ++c) {
+      all_finite = all_finite && finite_bits(v[c]);
+      if (v[c] > best) best = v[c], arg = cand[i + c];
+    }
+  }
+  return all_finite ? arg : -1;
 }
 
 #ifdef PC_GREEDY_HEAD_AVX2
