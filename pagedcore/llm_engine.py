@@ -17,6 +17,7 @@ from pagedcore.input_processor import InputProcessor, ProcessedPrompt
 from pagedcore.kv_cache_manager import KVCacheManager
 from pagedcore.limits import (ABORT_REASONS, REJECT_REASONS, EngineDeadError, OverloadedError, RequestCounts,
                               RequestFailedError, RequestTimeoutError, reject_reason)
+from pagedcore.lora.engine_api import LoRAEngineAPI
 from pagedcore.lora.registry import LoRARegistry
 from pagedcore.metrics import EngineStats
 from pagedcore.model_runner import ModelRunner
@@ -34,7 +35,7 @@ from pagedcore.structured_output.manager import StructuredOutputManager, make_ba
 logger = logging.getLogger("pagedcore")
 
 
-class LLMEngine:
+class LLMEngine(LoRAEngineAPI):
     def __init__(self, config: EngineConfig | None = None, plugins=(), **kwargs):
         self.config = config or EngineConfig(**kwargs)
         if config is not None and kwargs:
@@ -218,34 +219,6 @@ class LLMEngine:
                 seq.waiting_for_grammar = True
         self._event("added", request_id, None, {"num_prompt_tokens": len(p.prompt_token_ids)})
         return request_id
-
-    # ---- LoRA adapters (pagedcore/lora/registry.py; vLLM's method names) ------------------------------
-    @property
-    def lora_manager(self):
-        return self.runner.lora_manager
-
-    def add_lora(self, lora_request) -> bool:
-        """Load a PEFT adapter into CPU memory (from any thread); True once it is held. A bad one raises
-        LoRALoadError (an InvalidRequestError) naming what is and is not supported."""
-        return self.loras.add_lora(lora_request)
-
-    def remove_lora(self, lora_name: str) -> bool:
-        """Forget an adapter: new requests cannot name it, running ones finish; False if it was not held."""
-        return self.loras.remove_lora(lora_name)
-
-    def list_loras(self) -> list:
-        """The held adapters (LoRAModel: name, int_id, path, rank)."""
-        return self.loras.list_loras()
-
-    def resolve_lora(self, lora_request):
-        """The LoRAModel a request runs under (None: the base model). A LoRARequest's adapter is loaded
-        on first use from its path and found by name after; a plain name (the doors') must be held.
-        Unknown names raise UnknownLoRAError."""
-        return self.loras.resolve(lora_request)
-
-    def next_lora_int_id(self) -> int:
-        """An id no held adapter uses (for adapters loaded by name and path alone, e.g. through a door)."""
-        return self.loras.next_int_id()
 
     def abort_request(self, request_ids: str | list[str], reason: str = "client") -> None:
         """End requests now and free their blocks; `reason` (limits.ABORT_REASONS) is counted."""
