@@ -14,7 +14,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def test_cpu_prefill_pads_prompts_for_sdpa(dtype, monkeypatch):
     """Plain bf16/fp16 prompts reach SDPA zero-padded to a multiple of SDPA_ALIGN rows (its fast lengths),
     fp32 ones unpadded; outputs match the reference with NaN in every unwritten cache slot. (The torch path: on
-    AVX-512 CPUs the C++ prefill kernel takes fp32/bf16 prompts first, tested below.)"""
+    AVX-512 and AVX2 CPUs the C++ prefill kernel takes fp32/bf16 prompts first, tested below.)"""
     from pagedcore.kernels import cpu_attention
 
     lengths = [2, 31, 32, 33, 63, 146]
@@ -45,7 +45,7 @@ def _prefill_kernel_or_skip(head_dim=64):
 
     ext = cpu_ext.load()
     if ext is None or not ext.paged_prefill_supported(head_dim):
-        pytest.skip("the C++ prefill kernel runs on AVX-512 CPUs only")
+        pytest.skip("the C++ prefill kernel runs on AVX-512 and AVX2 + FMA CPUs only")
     return ext
 
 
@@ -148,7 +148,7 @@ def test_a_prompt_whose_last_token_alone_follows_a_prefix_hit_gets_what_it_gets_
 
     ext = cpu_ext.load()
     if ext is None or not ext.paged_prefill_supported(16):
-        pytest.skip("the C++ prefill kernel runs on AVX-512 CPUs only")
+        pytest.skip("the C++ prefill kernel runs on AVX-512 and AVX2 + FMA CPUs only")
     engine = LLMEngine(model=str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=8, num_kv_blocks=128,
                        enable_prefix_caching=True)
     prompts = [list(range(100 + 7 * i, 100 + 7 * i + n)) for i, n in enumerate((17, 33, 81, 40, 25))]

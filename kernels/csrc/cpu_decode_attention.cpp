@@ -40,6 +40,7 @@
 // scalar path with the same structure otherwise, or when built without AVX2.
 #include "ops.h"
 #include "decode_stack_parts.h"
+#include "ymm_exp.h"
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <algorithm>
@@ -304,25 +305,7 @@ PC_INLINE __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
-// exp for x <= 0 (scores minus their max), Cephes expf: range reduction by ln 2 in two parts, degree-5
-// polynomial, 2^n through the exponent bits; ~1 ulp. x < -87 gives ~1e-38 instead of 0 (harmless
-// next to the max's weight of 1).
-PC_INLINE __m256 exp_nonpos(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
+using ymm::exp_nonpos;  // ymm_exp.h
 
 inline void softmax_avx2(float* s, int64_t count, float* m_out, float* l_out) {
   __m256 vm = _mm256_set1_ps(-std::numeric_limits<float>::max());

@@ -1,9 +1,9 @@
-// Causal prefill attention over the paged cache on AVX-512 CPUs: each prompt's query rows against its keys up to
+// Causal prefill attention over the paged cache on AVX-512 and AVX2 CPUs: each prompt's query rows against its keys up to
 // their own positions (a prefix-cached context included), K and V read through the block table.
 //
 // Why: torch's CPU flash kernel (SDPA) ran this project's fp32 prompts (32-256 tokens, 9 heads of 64) at 55-90
 // GFLOP/s, with a gathered copy of K/V and a transposed copy of q around every call (~0.9 ms a prompt and layer).
-// Here both products run the GEMM's zmm tiles (zmm_tile.h): per (sequence, KV head) K's rows are packed once into
+// Here both products run the GEMM's zmm tiles (zmm_tile.h; on AVX2 a 6 x 16 tile of ymm registers a panel): per (sequence, KV head) K's rows are packed once into
 // 16-key panels and V's into 16-column panels, then per query head and 6-row tile S = q K^T over the keys the
 // tile sees, a row-wise softmax into P (packed by key, the masked keys zero) and O = P V. fp32 math; q and out in
 // fp32 or bf16, the cache in their dtype or quantized (int8 / fp8 e4m3 with an fp16 scale per token and head,
@@ -14,7 +14,10 @@
 // bf16 queries over a bf16 cache where AVX512-BF16 runs take run_item_dp instead: both products on vdpbf16ps (K and V
 // packed as bf16 pairs, P rounded to bf16 as torch's flash kernel and the decode kernel round it, divided by its
 // rounded sum). 14 prompts of 32-256 tokens, one layer, Zen 4: 3.98 -> 2.46 ms; against fp64 1.58e-3 -> 1.88e-3.
+// On AVX2 (Zen 3, fp32, 2 threads) torch's flash kernel and the MKL sgemm inside it took ~8% of a 2048-token prompt
+// step over the gathered K/V; this kernel is the AVX-512 one with the tile, the softmax and the store in AVX2.
 #include "ops.h"
+#include "ymm_exp.h"
 #include "zmm_tile.h"
 
 #include <omp.h>
@@ -29,11 +32,67 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(PC_AVX512) || (defined(__AVX2__) && defined(__FMA__))
+#define PC_PREFILL 1
+#endif
+
 namespace {
+#ifdef PC_PREFILL
 #ifdef PC_AVX512
 using zmm::MR;
 using zmm::NR;
 using zmm::PZ;
+#else
+constexpr int64_t MR = 6, NR = 16, PZ = 4;  // zmm_tile.h's shapes: K and V are packed alike on both ISAs
+
+#define PY_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+// C[R, 16] = A @ panel[K, 16] in 12 ymm accumulators (named, not an array: GCC spills arrays), row r of A's step k at
+// a[k * ka + r * ra].
+template <int R>
+__attribute__((noinline)) void micro_kernel_ymm(const float* a, int64_t ka, int64_t ra, const float* b, int64_t K,
+                                                float* c) {
+#define PY_DECL(r) __m256 lo##r = _mm256_setzero_ps(), hi##r = _mm256_setzero_ps();
+  PY_ROWS(PY_DECL)
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(b + k * NR), b1 = _mm256_loadu_ps(b + k * NR + 8);
+    const float* ak = a + k * ka;
+#define PY_FMA(r)                                          \
+    if constexpr (R > r) {                                 \
+      const __m256 av = _mm256_broadcast_ss(ak + r * ra);  \
+      lo##r = _mm256_fmadd_ps(av, b0, lo##r);              \
+      hi##r = _mm256_fmadd_ps(av, b1, hi##r);              \
+    }
+    PY_ROWS(PY_FMA)
+  }
+#define PY_STORE(r)                               \
+  if constexpr (R > r) {                          \
+    _mm256_storeu_ps(c + r * NR, lo##r);          \
+    _mm256_storeu_ps(c + r * NR + 8, hi##r);      \
+  }
+  PY_ROWS(PY_STORE)
+}
+#endif
+
+// C tiles [MR, NR] at c + t * MR * NR for np <= PZ panels (panel t at b + t * ps), A's rows as micro_kernel_ymm's.
+inline void tile_f32(int64_t R, int64_t np, const float* a, int64_t ka, int64_t ra, const float* b, int64_t ps,
+                     int64_t K, float* c) {
+#ifdef PC_AVX512
+  zmm::tile_zmm(R, np, a, ka, ra, b, ps, 2 * ps, K, c, nullptr, 0);
+#else
+  for (int64_t t = 0; t < np; ++t) {
+    const float* bt = b + t * ps;
+    float* ct = c + t * MR * NR;
+    switch (R) {
+      case 1: micro_kernel_ymm<1>(a, ka, ra, bt, K, ct); break;
+      case 2: micro_kernel_ymm<2>(a, ka, ra, bt, K, ct); break;
+      case 3: micro_kernel_ymm<3>(a, ka, ra, bt, K, ct); break;
+      case 4: micro_kernel_ymm<4>(a, ka, ra, bt, K, ct); break;
+      case 5: micro_kernel_ymm<5>(a, ka, ra, bt, K, ct); break;
+      default: micro_kernel_ymm<6>(a, ka, ra, bt, K, ct);
+    }
+  }
+#endif
+}
 
 struct Prefill {
   const void *q, *k, *v;
@@ -61,6 +120,7 @@ inline float kv_value(C x, float s) {
 
 // s[0, n) <- exp(s * scale - max) in place; returns 1 / their sum (applied to the row's output: R x D products
 // instead of a third pass over n).
+#ifdef PC_AVX512
 inline float softmax_row(float* s, int64_t n, float scale) {
   const __m512 vs = _mm512_set1_ps(scale);
   __m512 vm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -77,6 +137,63 @@ inline float softmax_row(float* s, int64_t n, float scale) {
     vl = _mm512_mask_add_ps(vl, k, vl, e);
   }
   return 1.f / _mm512_reduce_add_ps(vl);
+}
+#else
+inline float hsum(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// The mask of lanes [0, n), n < 8.
+inline __m256i lanes_below(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+inline float softmax_row(float* s, int64_t n, float scale) {
+  const __m256 vs = _mm256_set1_ps(scale);
+  __m256 vm = _mm256_set1_ps(-std::numeric_limits<float>::max());
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) vm = _mm256_max_ps(vm, _mm256_mul_ps(_mm256_loadu_ps(s + j), vs));
+  if (j < n) {  // the tail's other lanes stand at -max, below any score
+    const __m256i k = lanes_below(n - j);
+    const __m256 t = _mm256_mul_ps(_mm256_maskload_ps(s + j, k), vs);
+    vm = _mm256_max_ps(vm, _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::max()), t, _mm256_castsi256_ps(k)));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const __m256 m = _mm256_set1_ps(std::max(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_movehdup_ps(m4))));
+  __m256 vl = _mm256_setzero_ps();
+  for (j = 0; j + 8 <= n; j += 8) {
+    const __m256 e = ymm::exp_nonpos(_mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(s + j), vs), m));
+    _mm256_storeu_ps(s + j, e);
+    vl = _mm256_add_ps(vl, e);
+  }
+  if (j < n) {
+    const __m256i k = lanes_below(n - j);
+    const __m256 e = _mm256_and_ps(ymm::exp_nonpos(_mm256_sub_ps(_mm256_mul_ps(_mm256_maskload_ps(s + j, k), vs), m)),
+                                   _mm256_castsi256_ps(k));
+    _mm256_maskstore_ps(s + j, k, e);
+    vl = _mm256_add_ps(vl, e);
+  }
+  return 1.f / hsum(vl);
+}
+#endif
+
+// o[0, 16) = c[0, 16) * inv, rounded to T.
+template <typename T>
+inline void store_scaled(const float* c, float inv, T* o) {
+  alignas(64) float cr[NR];
+  float* dst = std::is_same_v<T, float> ? reinterpret_cast<float*>(o) : cr;
+#ifdef PC_AVX512
+  _mm512_storeu_ps(dst, _mm512_mul_ps(_mm512_loadu_ps(c), _mm512_set1_ps(inv)));
+#else
+  const __m256 iv = _mm256_set1_ps(inv);
+  _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_loadu_ps(c), iv));
+  _mm256_storeu_ps(dst + 8, _mm256_mul_ps(_mm256_loadu_ps(c + 8), iv));
+#endif
+  if constexpr (!std::is_same_v<T, float>)
+    for (int64_t e = 0; e < NR; ++e) o[e] = static_cast<T>(cr[e]);
 }
 
 // The rows of the key kAhead places on are asked for as each key is packed: read on demand, the packing waited on
@@ -270,7 +387,7 @@ void run_item(const Prefill& a, int64_t seq, int64_t g, int64_t q0, int64_t q1, 
       }
       for (int64_t p = 0; p < kpanels; p += PZ) {  // S[r][keys] = q_r . k_key
         const int64_t np = std::min(PZ, kpanels - p);
-        zmm::tile_zmm(R, np, qa, ka, ra, w.kp.data() + p * D * NR, D * NR, 2 * D * NR, D, w.c, nullptr, 0);
+        tile_f32(R, np, qa, ka, ra, w.kp.data() + p * D * NR, D * NR, D, w.c);
         for (int64_t t = 0; t < np; ++t)
           for (int64_t r = 0; r < R; ++r)
             std::copy_n(w.c + t * MR * NR + r * NR, NR, w.s.data() + r * lp + (p + t) * NR);
@@ -284,20 +401,10 @@ void run_item(const Prefill& a, int64_t seq, int64_t g, int64_t q0, int64_t q1, 
       }
       for (int64_t p = 0; p < dp; p += PZ) {  // O[r][columns] = sum over keys of P[r][key] v_key, P read by rows
         const int64_t np = std::min(PZ, dp - p);
-        zmm::tile_zmm(R, np, w.s.data(), 1, lp, w.vp.data() + p * lp * NR, lp * NR, 2 * lp * NR, kmax, w.c, nullptr,
-                      0);
+        tile_f32(R, np, w.s.data(), 1, lp, w.vp.data() + p * lp * NR, lp * NR, kmax, w.c);
         for (int64_t t = 0; t < np; ++t)
-          for (int64_t r = 0; r < R; ++r) {
-            T* o = out + (q0 + r0 + r) * a.out_stride + h * D + (p + t) * NR;
-            const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(w.c + t * MR * NR + r * NR), _mm512_set1_ps(inv[r]));
-            if constexpr (std::is_same_v<T, float>) {
-              _mm512_storeu_ps(o, v);
-            } else {
-              alignas(64) float cr[NR];
-              _mm512_store_ps(cr, v);
-              for (int64_t e = 0; e < NR; ++e) o[e] = static_cast<T>(cr[e]);
-            }
-          }
+          for (int64_t r = 0; r < R; ++r)
+            store_scaled(w.c + t * MR * NR + r * NR, inv[r], out + (q0 + r0 + r) * a.out_stride + h * D + (p + t) * NR);
       }
     }
   }
@@ -306,7 +413,7 @@ void run_item(const Prefill& a, int64_t seq, int64_t g, int64_t q0, int64_t q1, 
 }  // namespace
 
 bool paged_prefill_supported(int64_t head_dim) {
-#ifdef PC_AVX512
+#ifdef PC_PREFILL
   return head_dim % 16 == 0;
 #else
   (void)head_dim;
@@ -318,8 +425,8 @@ void paged_prefill(torch::Tensor query, torch::Tensor out, torch::Tensor k_cache
                    torch::Tensor block_table, std::vector<int64_t> seqs, std::vector<int64_t> q_starts,
                    std::vector<int64_t> q_ends, std::vector<int64_t> seq_lens, double scale,
                    c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales) {
-  TORCH_CHECK(paged_prefill_supported(query.size(-1)), "paged_prefill: needs AVX-512 and head_dim % 16 == 0");
-#ifdef PC_AVX512
+  TORCH_CHECK(paged_prefill_supported(query.size(-1)), "paged_prefill: needs AVX-512 or AVX2 + FMA and head_dim % 16 == 0");
+#ifdef PC_PREFILL
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes() && query.stride(2) == 1 && out.stride(2) == 1 &&
                   query.stride(1) == query.size(2) && out.stride(1) == out.size(2),
               "query/out: [T, Hq, D], each row's heads contiguous");
