@@ -76,15 +76,16 @@ inline void load16(const c10::BFloat16* p, __m256& lo, __m256& hi) {
   hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
 }
 
-// C[R, 16] = A @ panel[K, 16], A packed [K, R] fp32; R <= MR, results to c (row stride 16).
+// C[R, 16] = A @ panel[K, 16], row r of A's step k at a[k * ka + r * ra] (packed [K][R]: ka = R, ra = 1; fp32 rows
+// read in place: ka = 1, ra = the row stride); R <= MR, results to c (row stride 16).
 // Accumulators are named variables, not an array: with an array GCC spills them every iteration.
 // Lines asked for on the way, spread over the k steps: `next` (this thread's next panel, into L1: from memory, the
 // first row tile of each panel waited on it) and `side` (the decode stack's next K/V rows, a LineStream's share, into
 // L2).
 #define PC_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 template <int R, typename W>
-__attribute__((noinline)) void micro_kernel(const float* a, const W* panel, int64_t K, float* c, Lines next,
-                                            Lines side) {
+__attribute__((noinline)) void micro_kernel(const float* a, int64_t ka, int64_t ra, const W* panel, int64_t K, float* c,
+                                            Lines next, Lines side) {
 #define PC_DECL(r) __m256 c##r##0 = _mm256_setzero_ps(), c##r##1 = _mm256_setzero_ps();
   PC_ROWS(PC_DECL)
   const int64_t most = std::max(next.n, side.n), every = most > 0 ? std::max<int64_t>(1, K / most) : K + 1;
@@ -96,10 +97,10 @@ __attribute__((noinline)) void micro_kernel(const float* a, const W* panel, int6
     }
     __m256 b0, b1;
     load16(panel + k * NR, b0, b1);
-    const float* ak = a + k * R;
+    const float* ak = a + k * ka;
 #define PC_FMA(r)                                         \
     if constexpr (R > r) {                                \
-      const __m256 av = _mm256_broadcast_ss(ak + r);      \
+      const __m256 av = _mm256_broadcast_ss(ak + r * ra); \
       c##r##0 = _mm256_fmadd_ps(av, b0, c##r##0);         \
       c##r##1 = _mm256_fmadd_ps(av, b1, c##r##1);         \
     }
@@ -119,7 +120,8 @@ __attribute__((noinline)) void micro_kernel(const float* a, const W* panel, int6
 // from micro_kernel's (batch invariance): tile() runs S = 1, as fast here, the weight read being the bound (AMD
 // Zen 3: 26-32 GB/s at one row either way).
 template <int R, int S, typename W>
-__attribute__((noinline)) void micro_kernel_thin(const float* a, const W* panel, int64_t K, float* c) {
+__attribute__((noinline)) void micro_kernel_thin(const float* a, int64_t ka, int64_t ra, const W* panel, int64_t K,
+                                                 float* c) {
   __m256 acc[S][R][2];
   for (int s = 0; s < S; ++s)
     for (int r = 0; r < R; ++r) acc[s][r][0] = acc[s][r][1] = _mm256_setzero_ps();
@@ -135,7 +137,7 @@ __attribute__((noinline)) void micro_kernel_thin(const float* a, const W* panel,
       load16(panel + (k + s) * NR, b0, b1);
 #pragma GCC unroll 2
       for (int r = 0; r < R; ++r) {
-        const __m256 av = _mm256_broadcast_ss(a + (k + s) * R + r);
+        const __m256 av = _mm256_broadcast_ss(a + (k + s) * ka + r * ra);
         acc[s][r][0] = _mm256_fmadd_ps(av, b0, acc[s][r][0]);
         acc[s][r][1] = _mm256_fmadd_ps(av, b1, acc[s][r][1]);
       }
@@ -145,7 +147,7 @@ __attribute__((noinline)) void micro_kernel_thin(const float* a, const W* panel,
     __m256 b0, b1;
     load16(panel + k * NR, b0, b1);
     for (int r = 0; r < R; ++r) {
-      const __m256 av = _mm256_broadcast_ss(a + k * R + r);
+      const __m256 av = _mm256_broadcast_ss(a + k * ka + r * ra);
       acc[0][r][0] = _mm256_fmadd_ps(av, b0, acc[0][r][0]);
       acc[0][r][1] = _mm256_fmadd_ps(av, b1, acc[0][r][1]);
     }
@@ -163,12 +165,12 @@ __attribute__((noinline)) void micro_kernel_thin(const float* a, const W* panel,
 #define PC_THIN 1
 #else
 template <int R, typename W>
-void micro_kernel(const float* a, const W* panel, int64_t K, float* c, Lines, Lines) {
+void micro_kernel(const float* a, int64_t ka, int64_t ra, const W* panel, int64_t K, float* c, Lines, Lines) {
   float acc[R][NR] = {};
   for (int64_t k = 0; k < K; ++k) {
     const W* b = panel + k * NR;
     for (int r = 0; r < R; ++r) {
-      const float av = a[k * R + r];
+      const float av = a[k * ka + r * ra];
       for (int j = 0; j < NR; ++j) acc[r][j] += av * wval(b + slot<W>(j));
     }
   }
@@ -177,10 +179,11 @@ void micro_kernel(const float* a, const W* panel, int64_t K, float* c, Lines, Li
 }
 #endif
 
-// next / side: lines asked for on the way (micro_kernel's; before the thin kernels, which stream their weights).
+// A's rows as micro_kernel's (ka, ra); next / side: lines asked for on the way (micro_kernel's; before the thin
+// kernels, which stream their weights).
 template <typename W>
-inline void tile(int64_t rows, const float* a, const W* panel, int64_t K, float* c, Lines next = {},
-                 Lines side = {}) {
+inline void tile(int64_t rows, const float* a, int64_t ka, int64_t ra, const W* panel, int64_t K, float* c,
+                 Lines next = {}, Lines side = {}) {
   switch (rows) {
 #ifdef PC_THIN
     // One accumulator set (S = 1): each output the same FMA chain over k as in micro_kernel, so a row's result
@@ -189,18 +192,18 @@ inline void tile(int64_t rows, const float* a, const W* panel, int64_t K, float*
     case 2:
       next.all(_MM_HINT_T0), side.all(_MM_HINT_T1);
       if (rows == 1)
-        micro_kernel_thin<1, 1>(a, panel, K, c);
+        micro_kernel_thin<1, 1>(a, ka, ra, panel, K, c);
       else
-        micro_kernel_thin<2, 1>(a, panel, K, c);
+        micro_kernel_thin<2, 1>(a, ka, ra, panel, K, c);
       break;
 #else
-    case 1: micro_kernel<1>(a, panel, K, c, next, side); break;
-    case 2: micro_kernel<2>(a, panel, K, c, next, side); break;
+    case 1: micro_kernel<1>(a, ka, ra, panel, K, c, next, side); break;
+    case 2: micro_kernel<2>(a, ka, ra, panel, K, c, next, side); break;
 #endif
-    case 3: micro_kernel<3>(a, panel, K, c, next, side); break;
-    case 4: micro_kernel<4>(a, panel, K, c, next, side); break;
-    case 5: micro_kernel<5>(a, panel, K, c, next, side); break;
-    default: micro_kernel<6>(a, panel, K, c, next, side); break;
+    case 3: micro_kernel<3>(a, ka, ra, panel, K, c, next, side); break;
+    case 4: micro_kernel<4>(a, ka, ra, panel, K, c, next, side); break;
+    case 5: micro_kernel<5>(a, ka, ra, panel, K, c, next, side); break;
+    default: micro_kernel<6>(a, ka, ra, panel, K, c, next, side); break;
   }
 }
 
@@ -379,6 +382,18 @@ void dense_panels_zmm(const PackedWeight& w, const GemmInput& in, X* y, int64_t 
 }
 #endif
 
+// Whether fp32 x is read where it lies (row stride K), not packed into row tiles: by the zmm tiles (but the tall exact
+// int4 ones) and by the AVX2 tiles of dense fp32 / bf16 panels (packing a 2048-row prompt's x was ~2% of its step on
+// an AVX2 Zen 3, in a parallel region of its own).
+inline bool reads_x_in_place(const PackedWeight& w, int64_t M) {
+#ifdef PC_AVX512
+  return zmm_tiles_run(w, M) && !tall_runs(w, M);
+#else
+  (void)M;
+  return !w.vnni && (w.type == at::kFloat || w.type == at::kBFloat16);
+#endif
+}
+
 #ifdef PC_AVX512
 // silu_mul_panels_zmm for tall_runs: gate panel p's tile, then up's, then their product (exact_tall_panels).
 template <typename X>
@@ -489,10 +504,12 @@ void dense_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, 
         const int64_t rows = std::min(MR, m1 - i);
         const Lines ahead{next + t * per_tile * 64, p + 1 < p1 ? std::clamp<int64_t>(panel_lines - t * per_tile, 0, per_tile) : 0};
         const auto [pf, pf_n] = side != nullptr ? side->take() : std::pair<const char*, int64_t>{nullptr, 0};
+        const float* a = (in.direct ? in.direct : in.xp.data()) + i * K;  // row i here either way
+        const int64_t ka = in.direct ? 1 : rows, ra = in.direct ? K : 1;
         if (wide)
-          tile(rows, in.xp.data() + i * K, wide, K, c, ahead, {pf, pf_n});
+          tile(rows, a, ka, ra, wide, K, c, ahead, {pf, pf_n});
         else
-          tile(rows, in.xp.data() + i * K, panel, K, c, ahead, {pf, pf_n});
+          tile(rows, a, ka, ra, panel, K, c, ahead, {pf, pf_n});
         store_tile(c, rows, ncols, w.bias, n0, y + i * N + n0, N);
       }
     }
@@ -888,7 +905,7 @@ void int4_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, i
         const int64_t rows = std::min(MR, m1 - i);
         const float* a = in.xp.data() + i * K;
         if (widen)
-          tile(rows, a, wbuf.data(), K, c);
+          tile(rows, a, rows, 1, wbuf.data(), K, c);
 #ifdef PC_AVX2
         else if (rows == 1)
           micro_kernel_int4<S, 1>(a, qp, smp, K, G, c);
@@ -1064,7 +1081,7 @@ void int8_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, i
         const int64_t rows = std::min(MR, m1 - i);
         const float* a = in.xp.data() + i * K;
         if (widen)
-          tile(rows, a, wbuf.data(), K, c);
+          tile(rows, a, rows, 1, wbuf.data(), K, c);
 #ifdef PC_AVX2
         else if (rows == 1)
           micro_kernel_int8<S, 1>(a, qp, scp, K, G, c);
@@ -1123,11 +1140,7 @@ void panels_of(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int
 template <typename Run>
 bool run_by_rows(const PackedWeight& w, const torch::Tensor& x2, const Run& run) {
   const int64_t M = x2.size(0);
-#ifdef PC_AVX512
-  const bool fp32 = x2.scalar_type() == at::kFloat && zmm_tiles_run(w, M) && !tall_runs(w, M);
-#else
-  const bool fp32 = false;
-#endif
+  const bool fp32 = x2.scalar_type() == at::kFloat && reads_x_in_place(w, M);
   if (M < ROW_SPLIT_ROWS || !(fp32 || vnni_reads_rows_in_place(w, x2.scalar_type()))) return false;
   at::parallel_for(0, (M + MR - 1) / MR, MC / MR, [&](int64_t t0, int64_t t1) {
     GemmInput part;
@@ -1238,12 +1251,7 @@ void gemm_input_resize(const PackedWeight& w, int64_t M, GemmInput& in, const fl
   if (w.vnni) return vnni_input_resize(w, M, in);
   const int64_t K = w.K;
   in.M = M;
-#ifdef PC_AVX512
-  const bool tall = tall_runs(w, M);  // its tiles read x packed
-#else
-  const bool tall = false;
-#endif
-  in.direct = fp32_x != nullptr && zmm_tiles_run(w, M) && !tall ? fp32_x : nullptr;
+  in.direct = fp32_x != nullptr && reads_x_in_place(w, M) ? fp32_x : nullptr;
   if (in.direct) {
     in.int8 = false;
     return;
