@@ -228,11 +228,12 @@ def test_threads_share_the_callers_input_buffer(ext):
         torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-4 * k ** 0.5)
 
 
-@pytest.mark.skipif("AVX512" not in torch.backends.cpu.get_cpu_capability(), reason="AVX-512 fp32 tiles only")
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                    reason="the AVX-512 and AVX2 fp32 tiles only")
 def test_fp32_rows_do_not_depend_on_the_batch(ext):
-    """On AVX-512 CPUs every fp32 output is one FMA chain over the inputs in order, whatever the row count: a row
-    computed alone equals the same row inside any batch, bit for bit (greedy runs under preemption or prefix hits
-    batch their rows differently and must not part)."""
+    """On AVX-512 and AVX2 CPUs every fp32 output is one FMA chain over the inputs in order, whatever the row count
+    (read in place, split by panels or by rows): a row computed alone equals the same row inside any batch, bit for
+    bit (greedy runs under preemption or prefix hits batch their rows differently and must not part)."""
     g = torch.Generator().manual_seed(3)
     for n, k in [(192, 576), (576, 1536), (37, 64)]:
         w = ext.pack_linear_weight(torch.randn(n, k, generator=g))
@@ -289,7 +290,8 @@ def test_silu_mul_nan_stays_in_its_row_and_bad_widths_raise(ext):
         ext.packed_linear_silu_mul(torch.randn(5, 32), packed, 192)
 
 
-@pytest.mark.skipif("AVX512" not in torch.backends.cpu.get_cpu_capability(), reason="AVX-512 fp32 tiles only")
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                    reason="the AVX-512 and AVX2 fused tiles only")
 def test_silu_mul_rows_do_not_depend_on_the_batch(ext):
     """As the plain linear's (below): a prompt's rows get the same values alone, in a short chunk after a cached
     prefix, or among hundreds (past the 96-row cache blocks)."""

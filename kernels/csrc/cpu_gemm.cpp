@@ -22,6 +22,7 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define PC_AVX2 1
+#include "ymm_exp.h"
 #include "zmm_tile.h"  // PC_AVX512 where the CPU has it
 #endif
 
@@ -240,6 +241,24 @@ inline void store_tile(const float* c, int64_t rows, int64_t ncols, const float*
     if (ncols == NR) {  // a whole panel: one vector a row
       const __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
       for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(y + r * N, _mm512_add_ps(_mm512_loadu_ps(c + r * NR), b));
+      return;
+    }
+  }
+#elif defined(PC_AVX2)
+  if constexpr (std::is_same_v<X, float>) {
+    if (ncols == NR) {  // a whole panel: two vectors a row (the loop below became a memmove call a row, ~1% of a prompt)
+      if (bias == nullptr) {
+        for (int64_t r = 0; r < rows; ++r) {
+          _mm256_storeu_ps(y + r * N, _mm256_loadu_ps(c + r * NR));
+          _mm256_storeu_ps(y + r * N + 8, _mm256_loadu_ps(c + r * NR + 8));
+        }
+        return;
+      }
+      const __m256 b0 = _mm256_loadu_ps(bias + n0), b1 = _mm256_loadu_ps(bias + n0 + 8);
+      for (int64_t r = 0; r < rows; ++r) {
+        _mm256_storeu_ps(y + r * N, _mm256_add_ps(_mm256_loadu_ps(c + r * NR), b0));
+        _mm256_storeu_ps(y + r * N + 8, _mm256_add_ps(_mm256_loadu_ps(c + r * NR + 8), b1));
+      }
       return;
     }
   }
@@ -515,6 +534,79 @@ void dense_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, 
     }
   }
 }
+
+#if defined(PC_AVX2) && !defined(PC_AVX512)
+// Rows of silu(g + bg) * (u + bu) for [rows, 16] tiles g and u, rounded where the unfused ops round (the product
+// stored in X, silu's result in X, then the product): zmm::store_silu_mul's arithmetic in AVX2.
+template <typename X>
+inline void store_silu_mul_ymm(const float* g, const float* u, int64_t rows, const float* bias, int64_t ng, int64_t nu,
+                               X* out, int64_t ldo) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < NR; h += 8) {
+      __m256 gv = _mm256_loadu_ps(g + r * NR + h), uv = _mm256_loadu_ps(u + r * NR + h);
+      if (bias != nullptr)
+        gv = _mm256_add_ps(gv, _mm256_loadu_ps(bias + ng + h)), uv = _mm256_add_ps(uv, _mm256_loadu_ps(bias + nu + h));
+      if constexpr (std::is_same_v<X, float>) {
+        _mm256_storeu_ps(out + r * ldo + h, _mm256_mul_ps(ymm::silu_ps(gv), uv));
+      } else {
+        alignas(32) float t[8], v[8];
+        _mm256_store_ps(t, gv);
+        _mm256_store_ps(v, uv);
+        for (int j = 0; j < 8; ++j) t[j] = static_cast<float>(static_cast<X>(t[j]));
+        _mm256_store_ps(t, ymm::silu_ps(_mm256_load_ps(t)));
+        for (int j = 0; j < 8; ++j)
+          out[r * ldo + h + j] =
+              static_cast<X>(static_cast<float>(static_cast<X>(t[j])) * static_cast<float>(static_cast<X>(v[j])));
+      }
+    }
+}
+
+// y[M, I] = silu(x Wg^T + bg) * (x Wu^T + bu) for w = [gate; up] on AVX2, gate panels [p0, p1): per row tile gate
+// panel p's tile, then up's, then their product (store_silu_mul_ymm), so the [M, 2 I] product is neither written nor
+// read back by a silu pass (~2% of a 2048-token prompt step on an AVX2 Zen 3, and a parallel region of its own).
+template <typename X, typename W>
+void silu_mul_panels_ymm(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1,
+                         std::vector<float>& wbuf, LineStream* side) {
+  const int64_t M = in.M, I = w.N / 2, K = w.K, half = I / NR, ps = K * NR;
+  const W* packed = static_cast<const W*>(w.w);
+  const bool widen = M > WIDEN_ROWS && !std::is_same_v<W, float>;
+  if (widen && int64_t(wbuf.size()) < 2 * ps) wbuf.resize(2 * ps);
+  if (side != nullptr) side->pace(2 * (p1 - p0) * ((M + MR - 1) / MR));
+  const int64_t panel_lines = ps * int64_t(sizeof(W)) / 64;
+  const float* x = in.direct ? in.direct : in.xp.data();
+  float cg[MR * NR], cu[MR * NR];
+  for (int64_t m0 = 0; m0 < M; m0 += MC) {
+    const int64_t m1 = std::min(M, m0 + MC), tiles = (m1 - m0 + MR - 1) / MR;
+    const int64_t per_tile = M > 2 ? (panel_lines + tiles - 1) / tiles : 0;  // dense_panels' next-panel spread
+    for (int64_t p = p0; p < p1; ++p) {
+      const W* gate = packed + p * ps;
+      const W* up = packed + (half + p) * ps;
+      const float* gate_wide = widen ? widen_panel(gate, K, wbuf.data()) : nullptr;
+      const float* up_wide = widen ? widen_panel(up, K, wbuf.data() + ps) : nullptr;
+      const bool more = p + 1 < p1;
+      for (int64_t i = m0, t = 0; i < m1; i += MR, ++t) {
+        const int64_t rows = std::min(MR, m1 - i), n = more ? std::clamp<int64_t>(panel_lines - t * per_tile, 0, per_tile) : 0;
+        const float* a = x + i * K;
+        const int64_t ka = in.direct ? 1 : rows, ra = in.direct ? K : 1;
+        const Lines gate_next{reinterpret_cast<const char*>(gate + ps) + t * per_tile * 64, n};
+        const Lines up_next{reinterpret_cast<const char*>(up + ps) + t * per_tile * 64, n};
+        auto take = [&] { return side != nullptr ? side->take() : std::pair<const char*, int64_t>{nullptr, 0}; };
+        const auto [pg, ng] = take();
+        if (widen)
+          tile(rows, a, ka, ra, gate_wide, K, cg, gate_next, {pg, ng});
+        else
+          tile(rows, a, ka, ra, gate, K, cg, gate_next, {pg, ng});
+        const auto [pu, nu] = take();
+        if (widen)
+          tile(rows, a, ka, ra, up_wide, K, cu, up_next, {pu, nu});
+        else
+          tile(rows, a, ka, ra, up, K, cu, up_next, {pu, nu});
+        store_silu_mul_ymm(cg, cu, rows, w.bias, p * NR, (half + p) * NR, y + i * I + p * NR, I);
+      }
+    }
+  }
+}
+#endif
 
 // ---- int4 weights (w = q * scale + min per group of G inputs, as GGUF's Q4_1) ------------------
 // Panel p holds K (rounded up to 4, zero codes past K) inputs in quads of 4: 32 bytes per quad, byte
@@ -1198,7 +1290,7 @@ torch::Tensor run_packed(const torch::Tensor& x, PackedWeight w, const c10::opti
 }
 
 // silu(x W_gate^T) * (x W_up^T) over the fused [gate; up] packed weight: in the tiles where the AVX-512 ones run
-// fp32 or widened bf16 panels, else the product then silu_and_mul.
+// fp32 or widened bf16 panels (AVX2: the ymm tiles of fp32 / bf16 panels), else the product then silu_and_mul.
 torch::Tensor run_packed_silu_mul(const torch::Tensor& x, PackedWeight w, const c10::optional<torch::Tensor>& bias) {
   const int64_t I = w.N / 2;
   auto x2 = x.reshape({-1, w.K}).contiguous();
@@ -1211,7 +1303,7 @@ torch::Tensor run_packed_silu_mul(const torch::Tensor& x, PackedWeight w, const 
       return sizes;
     }());
   }
-#ifdef PC_AVX512
+#ifdef PC_AVX2  // silu_mul_runs: the zmm, ymm or VNNI tiles
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->to(at::kFloat).contiguous();
@@ -1286,7 +1378,12 @@ void gemm_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_ty
 }
 
 bool silu_mul_runs(const PackedWeight& w, int64_t M) {
-  return (zmm_tiles_run(w, M) || (w.vnni && vnni_silu_mul_runs())) && w.N % (2 * NR) == 0;
+#if defined(PC_AVX2) && !defined(PC_AVX512)
+  const bool ymm = !w.vnni && (w.type == at::kFloat || w.type == at::kBFloat16);  // silu_mul_panels_ymm
+#else
+  const bool ymm = false;
+#endif
+  return (zmm_tiles_run(w, M) || ymm || (w.vnni && vnni_silu_mul_runs())) && w.N % (2 * NR) == 0;
 }
 
 int64_t silu_mul_chunks(const PackedWeight& w) { return (w.N / (2 * NR) + 1) / 2; }
@@ -1305,8 +1402,19 @@ void silu_mul_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType 
   auto* yb = static_cast<c10::BFloat16*>(y);
   if (w.type == at::kFloat) return silu_mul_panels_zmm<c10::BFloat16, float>(w, in, yb, p0, p1, wbuf);
   silu_mul_panels_zmm<c10::BFloat16, c10::BFloat16>(w, in, yb, p0, p1, wbuf);
+#elif defined(PC_AVX2)
+  const int64_t p0 = 2 * c0, p1 = std::min(w.N / (2 * NR), 2 * c1);
+  if (p0 >= p1) return;
+  TORCH_CHECK(x_type == at::kFloat || x_type == at::kBFloat16, "x: float32 or bfloat16");
+  if (x_type == at::kFloat) {
+    if (w.type == at::kFloat) return silu_mul_panels_ymm<float, float>(w, in, static_cast<float*>(y), p0, p1, wbuf, side);
+    return silu_mul_panels_ymm<float, c10::BFloat16>(w, in, static_cast<float*>(y), p0, p1, wbuf, side);
+  }
+  auto* yb = static_cast<c10::BFloat16*>(y);
+  if (w.type == at::kFloat) return silu_mul_panels_ymm<c10::BFloat16, float>(w, in, yb, p0, p1, wbuf, side);
+  silu_mul_panels_ymm<c10::BFloat16, c10::BFloat16>(w, in, yb, p0, p1, wbuf, side);
 #else
-  TORCH_CHECK(false, "silu_mul_panels: AVX-512 only (silu_mul_runs)");
+  TORCH_CHECK(false, "silu_mul_panels: AVX-512 or AVX2 only (silu_mul_runs)");
 #endif
 }
 
