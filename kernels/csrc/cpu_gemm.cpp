@@ -273,6 +273,13 @@ inline void store_tile(const float* c, int64_t rows, int64_t ncols, const float*
   }
 }
 
+// Rows of the tile that starts `left` rows before the end of its block. x packed into row tiles fixes them at MR;
+// read in place (`free`), the last MR + 1..MR + 5 rows split evenly instead (64 rows: 10 x 6 + 4 -> 9 x 6 + 5 + 5):
+// a tile of few rows has too few FMA chains to hide their latency, and reads its panel from L2 faster than it can.
+inline int64_t tile_rows(int64_t left, bool free) {
+  return free && MR < left && left < 2 * MR ? (left + 1) / 2 : std::min(MR, left);
+}
+
 // Panels [p0, p1) of y = x @ W^T for every row of x (packed into fp32 row tiles).
 constexpr int64_t WIDEN_ROWS = 2 * MR;  // from more rows, bf16 panels are widened to fp32 once per call
 constexpr int64_t ROW_SPLIT_ROWS = 2 * MC;  // from this many rows (read in place), threads split rows, not panels
@@ -519,8 +526,8 @@ void dense_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, 
       const float* wide = widen ? widen_panel(panel, K, wbuf.data()) : nullptr;
       const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
       const char* next = reinterpret_cast<const char*>(panel + K * NR);
-      for (int64_t i = m0, t = 0; i < m1; i += MR, ++t) {
-        const int64_t rows = std::min(MR, m1 - i);
+      for (int64_t i = m0, t = 0, rows; i < m1; i += rows, ++t) {
+        rows = tile_rows(m1 - i, in.direct != nullptr);
         const Lines ahead{next + t * per_tile * 64, p + 1 < p1 ? std::clamp<int64_t>(panel_lines - t * per_tile, 0, per_tile) : 0};
         const auto [pf, pf_n] = side != nullptr ? side->take() : std::pair<const char*, int64_t>{nullptr, 0};
         const float* a = (in.direct ? in.direct : in.xp.data()) + i * K;  // row i here either way
@@ -584,8 +591,9 @@ void silu_mul_panels_ymm(const PackedWeight& w, const GemmInput& in, X* y, int64
       const float* gate_wide = widen ? widen_panel(gate, K, wbuf.data()) : nullptr;
       const float* up_wide = widen ? widen_panel(up, K, wbuf.data() + ps) : nullptr;
       const bool more = p + 1 < p1;
-      for (int64_t i = m0, t = 0; i < m1; i += MR, ++t) {
-        const int64_t rows = std::min(MR, m1 - i), n = more ? std::clamp<int64_t>(panel_lines - t * per_tile, 0, per_tile) : 0;
+      for (int64_t i = m0, t = 0, rows; i < m1; i += rows, ++t) {
+        rows = tile_rows(m1 - i, in.direct != nullptr);
+        const int64_t n = more ? std::clamp<int64_t>(panel_lines - t * per_tile, 0, per_tile) : 0;
         const float* a = x + i * K;
         const int64_t ka = in.direct ? 1 : rows, ra = in.direct ? K : 1;
         const Lines gate_next{reinterpret_cast<const char*>(gate + ps) + t * per_tile * 64, n};
