@@ -265,7 +265,9 @@ def test_silu_mul_equals_the_product_then_silu_and_mul(ext, wdtype, xdtype, layo
             want = ext.silu_and_mul(gate_up[:, :inter], gate_up[:, inter:])
             got = ext.packed_linear_silu_mul(x, packed, 2 * inter, bias)
             assert got.shape == (m, inter) and got.dtype == xdtype
-            if xdtype == torch.float32:
+            if layout == "panels" and torch.backends.cpu.get_cpu_capability() == "AVX2":
+                assert torch.equal(got, want)  # the AVX2 tiles end in the unfused op's own silu_and_mul_row
+            elif xdtype == torch.float32:
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
             else:  # bf16: roundings where the unfused ops round; exp differs by an ulp before them
                 torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-3)

@@ -9,6 +9,7 @@
 // streams each panel once, so decode runs at memory speed.
 #include "ops.h"
 #include "decode_stack_parts.h"
+#include "layer_rows.h"
 
 #include <ATen/Parallel.h>
 
@@ -22,7 +23,6 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define PC_AVX2 1
-#include "ymm_exp.h"
 #include "zmm_tile.h"  // PC_AVX512 where the CPU has it
 #endif
 
@@ -543,34 +543,31 @@ void dense_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, 
 }
 
 #if defined(PC_AVX2) && !defined(PC_AVX512)
-// Rows of silu(g + bg) * (u + bu) for [rows, 16] tiles g and u, rounded where the unfused ops round (the product
-// stored in X, silu's result in X, then the product): zmm::store_silu_mul's arithmetic in AVX2.
+// Rows of silu(g + bg) * (u + bu) for [rows, 16] tiles g and u into out (row stride ldo): the tile's products rounded
+// to X where the unfused path stores them (store_tile), then silu_and_mul_row (layer_rows.h) over the whole tile in
+// one call, so every value is the unfused silu_and_mul's bit for bit (an exp of our own moved greedy runs under int8
+// KV and recompute preemption off their near-ties: the two paths must not differ).
 template <typename X>
-inline void store_silu_mul_ymm(const float* g, const float* u, int64_t rows, const float* bias, int64_t ng, int64_t nu,
-                               X* out, int64_t ldo) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t h = 0; h < NR; h += 8) {
-      __m256 gv = _mm256_loadu_ps(g + r * NR + h), uv = _mm256_loadu_ps(u + r * NR + h);
-      if (bias != nullptr)
-        gv = _mm256_add_ps(gv, _mm256_loadu_ps(bias + ng + h)), uv = _mm256_add_ps(uv, _mm256_loadu_ps(bias + nu + h));
-      if constexpr (std::is_same_v<X, float>) {
-        _mm256_storeu_ps(out + r * ldo + h, _mm256_mul_ps(ymm::silu_ps(gv), uv));
-      } else {
-        alignas(32) float t[8], v[8];
-        _mm256_store_ps(t, gv);
-        _mm256_store_ps(v, uv);
-        for (int j = 0; j < 8; ++j) t[j] = static_cast<float>(static_cast<X>(t[j]));
-        _mm256_store_ps(t, ymm::silu_ps(_mm256_load_ps(t)));
-        for (int j = 0; j < 8; ++j)
-          out[r * ldo + h + j] =
-              static_cast<X>(static_cast<float>(static_cast<X>(t[j])) * static_cast<float>(static_cast<X>(v[j])));
+void store_silu_mul_rows(const float* g, const float* u, int64_t rows, const float* bias, int64_t ng, int64_t nu,
+                         X* out, int64_t ldo) {
+  alignas(32) X gx[MR * NR], ux[MR * NR], o[MR * NR];
+  const X* gp = reinterpret_cast<const X*>(g);
+  const X* up = reinterpret_cast<const X*>(u);
+  if (!std::is_same_v<X, float> || bias != nullptr) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < NR; ++j) {
+        gx[r * NR + j] = static_cast<X>(bias ? g[r * NR + j] + bias[ng + j] : g[r * NR + j]);
+        ux[r * NR + j] = static_cast<X>(bias ? u[r * NR + j] + bias[nu + j] : u[r * NR + j]);
       }
-    }
+    gp = gx, up = ux;
+  }
+  silu_and_mul_row(gp, up, o, rows * NR);
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(out + r * ldo, o + r * NR, NR * sizeof(X));
 }
 
 // y[M, I] = silu(x Wg^T + bg) * (x Wu^T + bu) for w = [gate; up] on AVX2, gate panels [p0, p1): per row tile gate
-// panel p's tile, then up's, then their product (store_silu_mul_ymm), so the [M, 2 I] product is neither written nor
-// read back by a silu pass (~2% of a 2048-token prompt step on an AVX2 Zen 3, and a parallel region of its own).
+// panel p's tile, then up's, then their product (store_silu_mul_rows), so the [M, 2 I] product is neither written
+// nor read back by a silu pass (~2% of a 2048-token prompt step on an AVX2 Zen 3, and a parallel region of its own).
 template <typename X, typename W>
 void silu_mul_panels_ymm(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1,
                          std::vector<float>& wbuf, LineStream* side) {
@@ -609,7 +606,7 @@ void silu_mul_panels_ymm(const PackedWeight& w, const GemmInput& in, X* y, int64
           tile(rows, a, ka, ra, up_wide, K, cu, up_next, {pu, nu});
         else
           tile(rows, a, ka, ra, up, K, cu, up_next, {pu, nu});
-        store_silu_mul_ymm(cg, cu, rows, w.bias, p * NR, (half + p) * NR, y + i * I + p * NR, I);
+        store_silu_mul_rows(cg, cu, rows, w.bias, p * NR, (half + p) * NR, y + i * I + p * NR, I);
       }
     }
   }
