@@ -243,9 +243,9 @@ def _prefill_one(out, query, k_cache, v_cache, metadata, i, scale, sliding_windo
 
 
 def _prefill_ext(ext, out, query, k_cache, v_cache, metadata, prompts, scale, sliding_window, softcap) -> list[int]:
-    """The prompts the C++ kernel takes (AVX-512 and AVX2 + FMA CPUs: plain causal attention, no window cutting into the context,
-    no softcap, the cache in the query's dtype or int8 / fp8 quantized) run in one call; returns the others, for
-    _prefill_one."""
+    """The prompts the C++ kernel takes (AVX-512 and AVX2 + FMA CPUs: plain causal attention, no window cutting into
+    the context, no softcap, the cache in the query's dtype or int8 / fp8 quantized) run in one call; returns the
+    others, for _prefill_one."""
     d = query.shape[-1]
     quantized = kv_quant.layout_of(k_cache) is not None
     if softcap or query.dtype not in (torch.float32, torch.bfloat16) or not (quantized or k_cache.dtype == query.dtype) \

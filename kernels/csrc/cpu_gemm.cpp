@@ -246,7 +246,8 @@ inline void store_tile(const float* c, int64_t rows, int64_t ncols, const float*
   }
 #elif defined(PC_AVX2)
   if constexpr (std::is_same_v<X, float>) {
-    if (ncols == NR) {  // a whole panel: two vectors a row (the loop below became a memmove call a row, ~1% of a prompt)
+    // A whole panel: two vectors a row (the loop below became a memmove call a row, ~1% of a prompt step).
+    if (ncols == NR) {
       if (bias == nullptr) {
         for (int64_t r = 0; r < rows; ++r) {
           _mm256_storeu_ps(y + r * N, _mm256_loadu_ps(c + r * NR));
@@ -1412,8 +1413,9 @@ void silu_mul_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType 
   if (p0 >= p1) return;
   TORCH_CHECK(x_type == at::kFloat || x_type == at::kBFloat16, "x: float32 or bfloat16");
   if (x_type == at::kFloat) {
-    if (w.type == at::kFloat) return silu_mul_panels_ymm<float, float>(w, in, static_cast<float*>(y), p0, p1, wbuf, side);
-    return silu_mul_panels_ymm<float, c10::BFloat16>(w, in, static_cast<float*>(y), p0, p1, wbuf, side);
+    auto* yf = static_cast<float*>(y);
+    if (w.type == at::kFloat) return silu_mul_panels_ymm<float, float>(w, in, yf, p0, p1, wbuf, side);
+    return silu_mul_panels_ymm<float, c10::BFloat16>(w, in, yf, p0, p1, wbuf, side);
   }
   auto* yb = static_cast<c10::BFloat16*>(y);
   if (w.type == at::kFloat) return silu_mul_panels_ymm<c10::BFloat16, float>(w, in, yb, p0, p1, wbuf, side);

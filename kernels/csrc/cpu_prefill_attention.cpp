@@ -1,16 +1,16 @@
-// Causal prefill attention over the paged cache on AVX-512 and AVX2 CPUs: each prompt's query rows against its keys up to
-// their own positions (a prefix-cached context included), K and V read through the block table.
+// Causal prefill attention over the paged cache on AVX-512 and AVX2 CPUs: each prompt's query rows against its keys
+// up to their own positions (a prefix-cached context included), K and V read through the block table.
 //
 // Why: torch's CPU flash kernel (SDPA) ran this project's fp32 prompts (32-256 tokens, 9 heads of 64) at 55-90
 // GFLOP/s, with a gathered copy of K/V and a transposed copy of q around every call (~0.9 ms a prompt and layer).
-// Here both products run the GEMM's zmm tiles (zmm_tile.h; on AVX2 a 6 x 16 tile of ymm registers a panel): per (sequence, KV head) K's rows are packed once into
-// 16-key panels and V's into 16-column panels, then per query head and 6-row tile S = q K^T over the keys the
-// tile sees, a row-wise softmax into P (packed by key, the masked keys zero) and O = P V. fp32 math; q and out in
-// fp32 or bf16, the cache in their dtype or quantized (int8 / fp8 e4m3 with an fp16 scale per token and head,
-// de-quantized as kv_quant.dequantize does while K and V are packed). Each query row's result depends only on its
-// row and its keys, not on which rows share the call: a prompt computed after a prefix-cache hit or in chunks gets
-// the values it gets in one piece (with int8 KV, SDPA's causal path against a masked one differed in last bits that
-// moved quantized K/V a step, and greedy runs parted).
+// Here both products run the GEMM's zmm tiles (zmm_tile.h; on AVX2 a 6 x 16 tile of ymm registers a panel): per
+// (sequence, KV head) K's rows are packed once into 16-key panels and V's into 16-column panels, then per query head
+// and 6-row tile S = q K^T over the keys the tile sees, a row-wise softmax into P (packed by key, the masked keys
+// zero) and O = P V. fp32 math; q and out in fp32 or bf16, the cache in their dtype or quantized (int8 / fp8 e4m3 with
+// an fp16 scale per token and head, de-quantized as kv_quant.dequantize does while K and V are packed). Each query
+// row's result depends only on its row and its keys, not on which rows share the call: a prompt computed after a
+// prefix-cache hit or in chunks gets the values it gets in one piece (with int8 KV, SDPA's causal path against a
+// masked one differed in last bits that moved quantized K/V a step, and greedy runs parted).
 // bf16 queries over a bf16 cache where AVX512-BF16 runs take run_item_dp instead: both products on vdpbf16ps (K and V
 // packed as bf16 pairs, P rounded to bf16 as torch's flash kernel and the decode kernel round it, divided by its
 // rounded sum). 14 prompts of 32-256 tokens, one layer, Zen 4: 3.98 -> 2.46 ms; against fp64 1.58e-3 -> 1.88e-3.
@@ -158,7 +158,8 @@ inline float softmax_row(float* s, int64_t n, float scale) {
   if (j < n) {  // the tail's other lanes stand at -max, below any score
     const __m256i k = lanes_below(n - j);
     const __m256 t = _mm256_mul_ps(_mm256_maskload_ps(s + j, k), vs);
-    vm = _mm256_max_ps(vm, _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::max()), t, _mm256_castsi256_ps(k)));
+    const __m256 low = _mm256_set1_ps(-std::numeric_limits<float>::max());
+    vm = _mm256_max_ps(vm, _mm256_blendv_ps(low, t, _mm256_castsi256_ps(k)));
   }
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
@@ -425,7 +426,8 @@ void paged_prefill(torch::Tensor query, torch::Tensor out, torch::Tensor k_cache
                    torch::Tensor block_table, std::vector<int64_t> seqs, std::vector<int64_t> q_starts,
                    std::vector<int64_t> q_ends, std::vector<int64_t> seq_lens, double scale,
                    c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales) {
-  TORCH_CHECK(paged_prefill_supported(query.size(-1)), "paged_prefill: needs AVX-512 or AVX2 + FMA and head_dim % 16 == 0");
+  TORCH_CHECK(paged_prefill_supported(query.size(-1)),
+              "paged_prefill: needs AVX-512 or AVX2 + FMA and head_dim % 16 == 0");
 #ifdef PC_PREFILL
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes() && query.stride(2) == 1 && out.stride(2) == 1 &&
                   query.stride(1) == query.size(2) && out.stride(1) == out.size(2),
