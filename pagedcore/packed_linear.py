@@ -24,7 +24,7 @@ from pagedcore.kernels import cpu_ext
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 PANEL = 16  # output columns per packed panel (kernels/csrc/cpu_gemm.cpp)
-# The panel slot of each column in a bf16 panel (cpu_gemm.cpp's BF16_ORDER; fp32 panels are in order).
+# The panel slot of each column in a bf16 panel (gemm_tiles.h's BF16_ORDER; fp32 panels are in order).
 BF16_SLOTS = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
 
 

@@ -4,7 +4,7 @@ then reads its rows from the int4 LM head, so the whole model is 4-bit (README, 
 
 Decode at small batch reads every weight once per step, so it is bound by memory traffic: 4-bit
 weights move ~3.5x fewer bytes than bf16 (this is why llama.cpp is fast on one stream). The kernel is
-pagedcore's (kernels/csrc/cpu_gemm.cpp: 16-column panels of nibbles), or torch's own
+pagedcore's (kernels/csrc/cpu_gemm_int4.cpp: 16-column panels of nibbles), or torch's own
 `_weight_int4pack_mm_for_cpu` without the C++ ops. At decode (M <= INT8_ACTIVATION_ROWS rows) it
 quantizes the activations to int8 per 32 inputs and multiplies in integers, as llama.cpp does (Q8
 blocks): dequantizing every weight to fp32 costs more instructions than reading it, so that path is
@@ -191,7 +191,7 @@ class Int8Linear(nn.Module):
     """Weight-only int8 linear: w = q * scale, q int8 [N, K], scale [N] (one per output channel) or
     [N, K / group_size] (groups: GGUF Q8_0, compressed-tensors' group strategy).
 
-    On the CPU with the C++ ops: pagedcore's int8 panels (kernels/csrc/cpu_gemm.cpp), scales in fp16 where
+    On the CPU with the C++ ops: pagedcore's int8 panels (kernels/csrc/cpu_gemm_int8.cpp), scales in fp16 where
     every one is one (Q8_0's d), else fp32; `int8_activations` (GGUF's Q8_0, as llama.cpp computes it)
     quantizes decode rows' activations to int8 per 32 inputs, W8A16 formats keep fp32 activations.
     Otherwise torch: per channel `_weight_int8pack_mm`, groups widened per call (exact, slower)."""

@@ -1,4 +1,4 @@
-"""4-bit linears over pre-packed weights (kernels/csrc/cpu_gemm.cpp's int4 panels): against their own
+"""4-bit linears over pre-packed weights (kernels/csrc/cpu_gemm_int4.cpp's panels): against their own
 dequantization, with fp32 activations and with the int8 activations decode rows take."""
 
 from __future__ import annotations

@@ -30,7 +30,7 @@
 
 namespace {
 
-constexpr int64_t TILE = 6;  // rows per GEMM input tile (cpu_gemm.cpp's MR): one thread prepares a tile
+constexpr int64_t TILE = 6;  // rows per GEMM input tile (gemm_tiles.h's MR): one thread prepares a tile
 // From this many rows the gate/up and down phases ask for the next layer's K/V (LineStream). Zen 4, 2 threads, bundled model,
 // one process alternating with and without: 64 rows x 32-224 positions, step 55.7 -> 53.4 ms (attention 11.8 -> 8.1,
 // GEMMs +0.4); 32 x 64-448: 41.2 -> 39.1; 8 rows: 12.5 -> 12.2; 1 row x 512: 9.7 / 9.9 (noise; GEMMs +0.4).

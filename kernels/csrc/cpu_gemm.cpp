@@ -7,273 +7,12 @@
 // and widened to fp32 in registers; accumulation is fp32, the result rounded once to x's dtype.
 // The micro-kernel keeps a 6 x 16 tile of C in 12 AVX2 registers (BLIS-style); at M = 1 it
 // streams each panel once, so decode runs at memory speed.
-#include "ops.h"
-#include "decode_stack_parts.h"
+#include "gemm_tiles.h"
 #include "layer_rows.h"
 
 #include <ATen/Parallel.h>
 
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <type_traits>
-#include <initializer_list>
-#include <vector>
-
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define PC_AVX2 1
-#include "zmm_tile.h"  // PC_AVX512 where the CPU has it
-#endif
-
 namespace {
-
-constexpr int64_t NR = 16;  // output columns per packed panel
-constexpr int64_t MR = 6;   // rows of x per micro-kernel tile
-constexpr int64_t MC = 96;  // rows of x per cache block (MC x K fp32 stays in L2)
-constexpr int64_t PD = 256;  // rows of a panel prefetched ahead at M <= 2 (one decode step at 1 thread: 32 rows 41%, 256 rows 83% of read bw)
-// Column held by each of a bf16 panel's 16 slots (its own inverse: it swaps columns 4-7 and 8-11).
-constexpr int64_t BF16_ORDER[NR] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
-template <typename W>
-constexpr int64_t slot(int64_t col) { return std::is_same_v<W, c10::BFloat16> ? BF16_ORDER[col] : col; }
-
-inline float bf16_to_float(uint16_t h) {
-  uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-template <typename W>
-inline float wval(const W* p) { return static_cast<float>(*p); }
-template <>
-inline float wval<c10::BFloat16>(const c10::BFloat16* p) { return bf16_to_float(p->x); }
-
-// n cache lines from p, to ask for ahead of use.
-struct Lines {
-  const char* p = nullptr;
-  int64_t n = 0;
-  void all(int hint) {  // every one left, now
-#ifdef PC_AVX2
-    for (; n > 0; --n, p += 64) hint == _MM_HINT_T0 ? _mm_prefetch(p, _MM_HINT_T0) : _mm_prefetch(p, _MM_HINT_T1);
-#else
-    (void)hint, n = 0;
-#endif
-  }
-};
-
-#ifdef PC_AVX2
-// 16 packed weights -> two 8-lane fp32 vectors.
-inline void load16(const float* p, __m256& lo, __m256& hi) {
-  lo = _mm256_loadu_ps(p);
-  hi = _mm256_loadu_ps(p + 8);
-}
-// bf16 panels are stored in BF16_ORDER, so that interleaving with zeros (one op per half) yields
-// columns 0-7 and 8-15 in order: a bf16 is the top half of its fp32.
-inline void load16(const c10::BFloat16* p, __m256& lo, __m256& hi) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m256i zero = _mm256_setzero_si256();
-  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
-  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
-}
-
-// C[R, 16] = A @ panel[K, 16], row r of A's step k at a[k * ka + r * ra] (packed [K][R]: ka = R, ra = 1; fp32 rows
-// read in place: ka = 1, ra = the row stride); R <= MR, results to c (row stride 16).
-// Accumulators are named variables, not an array: with an array GCC spills them every iteration.
-// Lines asked for on the way, spread over the k steps: `next` (this thread's next panel, into L1: from memory, the
-// first row tile of each panel waited on it) and `side` (the decode stack's next K/V rows, a LineStream's share, into
-// L2).
-#define PC_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
-template <int R, typename W>
-__attribute__((noinline)) void micro_kernel(const float* a, int64_t ka, int64_t ra, const W* panel, int64_t K, float* c,
-                                            Lines next, Lines side) {
-#define PC_DECL(r) __m256 c##r##0 = _mm256_setzero_ps(), c##r##1 = _mm256_setzero_ps();
-  PC_ROWS(PC_DECL)
-  const int64_t most = std::max(next.n, side.n), every = most > 0 ? std::max<int64_t>(1, K / most) : K + 1;
-  for (int64_t k = 0, due = every; k < K; ++k) {
-    if (--due == 0) {
-      if (next.n > 0) _mm_prefetch(next.p, _MM_HINT_T0), next.p += 64, --next.n;
-      if (side.n > 0) _mm_prefetch(side.p, _MM_HINT_T1), side.p += 64, --side.n;
-      due = every;
-    }
-    __m256 b0, b1;
-    load16(panel + k * NR, b0, b1);
-    const float* ak = a + k * ka;
-#define PC_FMA(r)                                         \
-    if constexpr (R > r) {                                \
-      const __m256 av = _mm256_broadcast_ss(ak + r * ra); \
-      c##r##0 = _mm256_fmadd_ps(av, b0, c##r##0);         \
-      c##r##1 = _mm256_fmadd_ps(av, b1, c##r##1);         \
-    }
-    PC_ROWS(PC_FMA)
-  }
-#define PC_STORE(r)                                       \
-  if constexpr (R > r) {                                  \
-    _mm256_storeu_ps(c + r * NR, c##r##0);                \
-    _mm256_storeu_ps(c + r * NR + 8, c##r##1);            \
-  }
-  PC_ROWS(PC_STORE)
-  next.all(_MM_HINT_T0), side.all(_MM_HINT_T1);
-}
-
-// One or two rows (decode): the weights streamed from memory with every line asked for PD rows ahead. S > 1
-// interleaves S accumulator sets over k (summed at the end) to hide the FMA latency, but then a row's sums differ
-// from micro_kernel's (batch invariance): tile() runs S = 1, as fast here, the weight read being the bound (AMD
-// Zen 3: 26-32 GB/s at one row either way).
-template <int R, int S, typename W>
-__attribute__((noinline)) void micro_kernel_thin(const float* a, int64_t ka, int64_t ra, const W* panel, int64_t K,
-                                                 float* c) {
-  __m256 acc[S][R][2];
-  for (int s = 0; s < S; ++s)
-    for (int r = 0; r < R; ++r) acc[s][r][0] = acc[s][r][1] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + S <= K; k += S) {
-    // Decode streams every weight from memory once: ask for every cache line of it PD rows ahead
-    // (8 KiB for bf16). One line 1 KiB ahead kept too few misses in flight: 10 GB/s of ~16.
-    for (int64_t l = 0; l < S * NR * int64_t(sizeof(W)); l += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(panel + (k + PD) * NR) + l, _MM_HINT_T0);
-#pragma GCC unroll 4
-    for (int s = 0; s < S; ++s) {
-      __m256 b0, b1;
-      load16(panel + (k + s) * NR, b0, b1);
-#pragma GCC unroll 2
-      for (int r = 0; r < R; ++r) {
-        const __m256 av = _mm256_broadcast_ss(a + (k + s) * ka + r * ra);
-        acc[s][r][0] = _mm256_fmadd_ps(av, b0, acc[s][r][0]);
-        acc[s][r][1] = _mm256_fmadd_ps(av, b1, acc[s][r][1]);
-      }
-    }
-  }
-  for (; k < K; ++k) {
-    __m256 b0, b1;
-    load16(panel + k * NR, b0, b1);
-    for (int r = 0; r < R; ++r) {
-      const __m256 av = _mm256_broadcast_ss(a + k * ka + r * ra);
-      acc[0][r][0] = _mm256_fmadd_ps(av, b0, acc[0][r][0]);
-      acc[0][r][1] = _mm256_fmadd_ps(av, b1, acc[0][r][1]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    __m256 lo = acc[0][r][0], hi = acc[0][r][1];
-    for (int s = 1; s < S; ++s) {
-      lo = _mm256_add_ps(lo, acc[s][r][0]);
-      hi = _mm256_add_ps(hi, acc[s][r][1]);
-    }
-    _mm256_storeu_ps(c + r * NR, lo);
-    _mm256_storeu_ps(c + r * NR + 8, hi);
-  }
-}
-#define PC_THIN 1
-#else
-template <int R, typename W>
-void micro_kernel(const float* a, int64_t ka, int64_t ra, const W* panel, int64_t K, float* c, Lines, Lines) {
-  float acc[R][NR] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    const W* b = panel + k * NR;
-    for (int r = 0; r < R; ++r) {
-      const float av = a[k * ka + r * ra];
-      for (int j = 0; j < NR; ++j) acc[r][j] += av * wval(b + slot<W>(j));
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NR; ++j) c[r * NR + j] = acc[r][j];
-}
-#endif
-
-// A's rows as micro_kernel's (ka, ra); next / side: lines asked for on the way (micro_kernel's; before the thin
-// kernels, which stream their weights).
-template <typename W>
-inline void tile(int64_t rows, const float* a, int64_t ka, int64_t ra, const W* panel, int64_t K, float* c,
-                 Lines next = {}, Lines side = {}) {
-  switch (rows) {
-#ifdef PC_THIN
-    // One accumulator set (S = 1): each output the same FMA chain over k as in micro_kernel, so a row's result
-    // does not depend on how many rows share its step (interleaved sets, 4 at one row, broke batch invariance).
-    case 1:
-    case 2:
-      next.all(_MM_HINT_T0), side.all(_MM_HINT_T1);
-      if (rows == 1)
-        micro_kernel_thin<1, 1>(a, ka, ra, panel, K, c);
-      else
-        micro_kernel_thin<2, 1>(a, ka, ra, panel, K, c);
-      break;
-#else
-    case 1: micro_kernel<1>(a, ka, ra, panel, K, c, next, side); break;
-    case 2: micro_kernel<2>(a, ka, ra, panel, K, c, next, side); break;
-#endif
-    case 3: micro_kernel<3>(a, ka, ra, panel, K, c, next, side); break;
-    case 4: micro_kernel<4>(a, ka, ra, panel, K, c, next, side); break;
-    case 5: micro_kernel<5>(a, ka, ra, panel, K, c, next, side); break;
-    default: micro_kernel<6>(a, ka, ra, panel, K, c, next, side); break;
-  }
-}
-
-// Row tile t of x (rows [t*MR, t*MR + R)) as fp32 packed [K, R] at xp + t*MR*K: the micro-kernel
-// then reads A sequentially.
-template <typename X>
-void pack_tiles(const X* x, int64_t M, int64_t K, int64_t t0, int64_t t1, float* xp) {
-  for (int64_t t = t0; t < t1; ++t) {
-    const int64_t i0 = t * MR, R = std::min(MR, M - i0);
-    float* out = xp + i0 * K;
-    const X* rows = x + i0 * K;
-    // Writes in order (R streams read): the other way round each store landed R floats from the last one.
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t r = 0; r < R; ++r) out[k * R + r] = static_cast<float>(rows[r * K + k]);
-  }
-}
-
-// A panel widened to fp32 once, so that for many rows the micro-kernel does not convert it again
-// per tile (bf16 -> fp32 costs about a third of the FMA time).
-template <typename W>
-const float* widen_panel(const W* panel, int64_t K, float* buf) {
-  for (int64_t k = 0; k < K; ++k)
-    for (int64_t j = 0; j < NR; ++j) buf[k * NR + j] = static_cast<float>(panel[k * NR + slot<W>(j)]);
-  return buf;
-}
-template <>
-const float* widen_panel<float>(const float* panel, int64_t, float*) { return panel; }
-
-// A computed tile (fp32, row stride 16) to y (row stride N), plus bias, rounded once to X.
-template <typename X>
-inline void store_tile(const float* c, int64_t rows, int64_t ncols, const float* bias, int64_t n0, X* y, int64_t N) {
-#ifdef PC_AVX512
-  if constexpr (std::is_same_v<X, float>) {
-    if (ncols == NR) {  // a whole panel: one vector a row
-      const __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
-      for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(y + r * N, _mm512_add_ps(_mm512_loadu_ps(c + r * NR), b));
-      return;
-    }
-  }
-#elif defined(PC_AVX2)
-  if constexpr (std::is_same_v<X, float>) {
-    // A whole panel: two vectors a row (the loop below became a memmove call a row, ~1% of a prompt step).
-    if (ncols == NR) {
-      if (bias == nullptr) {
-        for (int64_t r = 0; r < rows; ++r) {
-          _mm256_storeu_ps(y + r * N, _mm256_loadu_ps(c + r * NR));
-          _mm256_storeu_ps(y + r * N + 8, _mm256_loadu_ps(c + r * NR + 8));
-        }
-        return;
-      }
-      const __m256 b0 = _mm256_loadu_ps(bias + n0), b1 = _mm256_loadu_ps(bias + n0 + 8);
-      for (int64_t r = 0; r < rows; ++r) {
-        _mm256_storeu_ps(y + r * N, _mm256_add_ps(_mm256_loadu_ps(c + r * NR), b0));
-        _mm256_storeu_ps(y + r * N + 8, _mm256_add_ps(_mm256_loadu_ps(c + r * NR + 8), b1));
-      }
-      return;
-    }
-  }
-#endif
-  for (int64_t r = 0; r < rows; ++r) {
-    X* out = y + r * N;
-    const float* cr = c + r * NR;
-    if (bias)
-      for (int64_t j = 0; j < ncols; ++j) out[j] = static_cast<X>(cr[j] + bias[n0 + j]);
-    else
-      for (int64_t j = 0; j < ncols; ++j) out[j] = static_cast<X>(cr[j]);
-  }
-}
-
 // Rows of the tile that starts `left` rows before the end of its block. x packed into row tiles fixes them at MR;
 // read in place (`free`), the last MR + 1..MR + 5 rows split evenly instead (64 rows: 10 x 6 + 4 -> 9 x 6 + 5 + 5):
 // a tile of few rows has too few FMA chains to hide their latency, and reads its panel from L2 faster than it can.
@@ -297,7 +36,6 @@ inline bool zmm_tiles_run(const PackedWeight& w, int64_t M) {
 #ifdef PC_AVX512
 using zmm::PZ;
 using zmm::tile_zmm;
-void widen_exact_int4(const PackedWeight& w, int64_t p, float* buf);
 inline bool runs_exact_int4(const PackedWeight& w, int64_t M) { return w.exact_q != nullptr && M <= w.exact_rows; }
 // Up to 4 panels of an exact weight for exact_tile: their int4 panels and scale/min, and how far ahead (uint16s) the
 // same panel of the next group lies.
@@ -317,8 +55,98 @@ inline ExactPanels exact_panels(const PackedWeight& w, std::initializer_list<int
   e.ahead = ahead * w.K * 4;
   return e;
 }
+
+// An exact fp32 weight's panel p from its int4 form (cpu_exact_int4.cpp): fma(q, d, m) as the check built it. A quad's
+// 16 uint16 (one a column) zero-extended to lanes; code t of each is its nibble t, and vpermps, which reads only an
+// index's low 4 bits, turns it into the float q from a table: 3 instructions per 16 weights (shift, permute, fma).
+void widen_exact_int4(const PackedWeight& w, int64_t p, float* buf) {
+  const int64_t K = w.K, G = w.exact_group;
+  const uint16_t* q = exact_q_of(w, p);
+  const c10::Half* sm = exact_sm_of(w, p);
+  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t g = 0; g < K / G; ++g) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + g * 2 * NR)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + g * 2 * NR + NR)));
+    for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
+      _mm_prefetch(reinterpret_cast<const char*>(q + k * 4) + PF4, _MM_HINT_T0);
+      const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k * 4)));
+      _mm512_storeu_ps(buf + k * NR, _mm512_fmadd_ps(_mm512_permutexvar_ps(v, codes), d, m));
+      _mm512_storeu_ps(buf + (k + 1) * NR, _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), codes), d, m));
+      _mm512_storeu_ps(buf + (k + 2) * NR, _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), codes), d, m));
+      _mm512_storeu_ps(buf + (k + 3) * NR, _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), codes), d, m));
+    }
+  }
+}
+
+// R rows x P panels of an exact weight, each weight widened in registers as widen_exact_int4 widens it and used
+// at once: widening into a buffer and tiling it moved every fp32 weight through L2 twice (~7 ms a one-row step
+// on 2 threads). The same FMA chain per output as micro_kernel_zmm (from +0, over k in order): bit for bit its
+// result. The same panel of the next group is asked for into L2 as this one is read.
+template <int R, int P>
+__attribute__((noinline)) void exact_tile_rp(const float* a, int64_t ka, int64_t ra, const ExactPanels& e, int64_t K,
+                                             int64_t G, float* c) {
+  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 acc[R][P];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < K / G; ++g) {
+    __m512 d[P], m[P];
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) {
+      d[p] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(e.sm[p] + g * 2 * NR)));
+      m[p] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(e.sm[p] + g * 2 * NR + NR)));
+    }
+    for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
+      __m512i v[P];
+#pragma GCC unroll 4
+      for (int p = 0; p < P; ++p) {
+        if ((k & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(e.q[p] + e.ahead + k * 4), _MM_HINT_T1);
+        v[p] = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(e.q[p] + k * 4)));
+      }
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) {
+        const float* ak = a + (k + t) * ka;
+#pragma GCC unroll 4
+        for (int p = 0; p < P; ++p) {
+          const __m512 wv = _mm512_fmadd_ps(_mm512_permutexvar_ps(v[p], codes), d[p], m[p]);
+          v[p] = _mm512_srli_epi32(v[p], 4);  // the next input's nibble into the index bits
+#pragma GCC unroll 6
+          for (int r = 0; r < R; ++r) acc[r][p] = _mm512_fmadd_ps(_mm512_set1_ps(ak[r * ra]), wv, acc[r][p]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) _mm512_storeu_ps(c + p * MR * NR + r * NR, acc[r][p]);
+}
+
+template <int R>
+void exact_tile_r(int64_t np, const float* a, int64_t ka, int64_t ra, const ExactPanels& e, int64_t K, int64_t G,
+                  float* c) {
+  switch (np) {
+    case 1: return exact_tile_rp<R, 1>(a, ka, ra, e, K, G, c);
+    case 2: return exact_tile_rp<R, 2>(a, ka, ra, e, K, G, c);
+    case 3: return exact_tile_rp<R, 3>(a, ka, ra, e, K, G, c);
+    default: return exact_tile_rp<R, 4>(a, ka, ra, e, K, G, c);
+  }
+}
+
 void exact_tile(int64_t rows, int64_t np, const float* a, int64_t ka, int64_t ra, const ExactPanels& e, int64_t K,
-                int64_t G, float* c);
+                int64_t G, float* c) {
+  switch (rows) {
+    case 1: return exact_tile_r<1>(np, a, ka, ra, e, K, G, c);
+    case 2: return exact_tile_r<2>(np, a, ka, ra, e, K, G, c);
+    case 3: return exact_tile_r<3>(np, a, ka, ra, e, K, G, c);
+    case 4: return exact_tile_r<4>(np, a, ka, ra, e, K, G, c);
+    case 5: return exact_tile_r<5>(np, a, ka, ra, e, K, G, c);
+    default: return exact_tile_r<6>(np, a, ka, ra, e, K, G, c);
+  }
+}
+
 // Up to this many rows exact weights are widened in registers per row tile (exact_tile); from more up to TALL_ROWS
 // in registers per tall tile of 12-24 rows and one panel (exact_tall, cpu_exact_int4.cpp); from more still once per
 // call into a buffer the tiles share.
@@ -614,586 +442,6 @@ void silu_mul_panels_ymm(const PackedWeight& w, const GemmInput& in, X* y, int64
 }
 #endif
 
-// ---- int4 weights (w = q * scale + min per group of G inputs, as GGUF's Q4_1) ------------------
-// Panel p holds K (rounded up to 4, zero codes past K) inputs in quads of 4: 32 bytes per quad, byte
-// c * 4 + t = column c (low nibble) | column c + 8 (high nibble) at input 4 * quad + t. So each 32-bit
-// lane holds 4 consecutive inputs of one column: the operand of an integer dot product (maddubs +
-// madd) against 4 int8 activations, with no horizontal sums. Beside it, per group g, 16 scales then
-// 16 mins: fp16 where the format's own are (GGUF's d and m; pagedcore's int4 rounds its scale and min
-// so), else fp32. Decode reads 4 bits per weight plus 1 (fp16) or 2 (fp32) of scale and min (groups of 32).
-//
-// Two ways to run it. Decode (M <= int8_rows, groups a multiple of 32): x is quantized once per call
-// to int8 per block of 32 inputs (symmetric, round to nearest, d = max|x| / 127, as llama.cpp's Q8
-// blocks), products summed in integers per block, then y += s * d * dot(q, xq) per block and
-// y += m * sum(d * sum(xq)) per group in fp32: ~0.15 instructions per weight, so it runs at memory
-// speed. Otherwise x stays fp32 and the panel is dequantized to fp32 (in registers at M = 1, into a
-// buffer for more rows, then the fp32 micro-kernel): exact, ALU-bound at M = 1 (~0.7 per weight).
-constexpr int64_t QB = 32;  // inputs per int8 activation block
-constexpr int64_t PF4 = 1024;  // bytes of a panel prefetched ahead by the decode kernels
-// Up to this many fp32 rows, quantized weights are dequantized in registers for every row; more rows widen
-// each panel into a [K, 16] fp32 buffer once. Widening at 2 rows measured 4x slower with 2 threads than
-// with 1 here (the 36 KB buffers per thread), registers: M = 2 ~1.5 ms -> ~0.25 ms (1536 x 576, int4).
-#ifdef PC_AVX2
-constexpr int64_t REGISTER_ROWS = 3;
-#else
-constexpr int64_t REGISTER_ROWS = 0;
-#endif
-
-inline int64_t round4(int64_t K) { return (K + 3) / 4 * 4; }
-
-// The scale/min panels' kinds: fp32 or fp16 (scale, min) pairs, or HalfZero: fp16 (scale, zero point z)
-// with min = -z * scale formed in fp32 (exact: an 11-bit mantissa times a small integer), so that GPTQ's
-// (q - z) * s keeps 16 bits a pair although -z * s is rarely an fp16.
-struct HalfZero {};
-template <typename S> struct ScaleMinStorage { using T = S; };
-template <> struct ScaleMinStorage<HalfZero> { using T = c10::Half; };
-template <typename S> using sm_t = typename ScaleMinStorage<S>::T;
-
-#ifdef PC_AVX2
-// 8 scales or mins as fp32.
-inline __m256 load_sm(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load_sm(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-// 8 mins for the 8 scales s.
-template <typename S>
-inline __m256 load_min(const sm_t<S>* p, __m256 s) {
-  if constexpr (std::is_same_v<S, HalfZero>)
-    return _mm256_fnmadd_ps(load_sm(p), s, _mm256_setzero_ps());
-  else
-    return load_sm(p);
-}
-
-// Each k of the panel dequantized (columns 0-7, 8-15) and handed to f(k, t = k % 4, w0, w1).
-template <typename S, typename F>
-inline void for_each_dequantized(const uint8_t* q, const sm_t<S>* sm, int64_t K, int64_t G, F&& f) {
-  const __m256i nib = _mm256_set1_epi32(0x0F);
-  __m256 s0 = _mm256_setzero_ps(), s1 = s0, m0 = s0, m1 = s0;
-  int64_t next = 0;  // first input of the next group
-  for (int64_t k0 = 0; k0 < K; k0 += 4) {
-    _mm_prefetch(reinterpret_cast<const char*>(q + k0 * 8 + PF4), _MM_HINT_T0);
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k0 * 8));
-#pragma GCC unroll 4
-    for (int t = 0; t < 4; ++t) {
-      const int64_t k = k0 + t;
-      if (k == K) return;
-      if (k == next) {  // groups of any even size: one may start inside a quad
-        const sm_t<S>* gsm = sm + (k / G) * 2 * NR;
-        s0 = load_sm(gsm), s1 = load_sm(gsm + 8);
-        m0 = load_min<S>(gsm + NR, s0), m1 = load_min<S>(gsm + NR + 8, s1);
-        next += G;
-      }
-      const __m256i b = _mm256_srli_epi32(v, 8 * t);
-      const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, nib));
-      const __m256 hi = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, 4), nib));
-      f(k, t, _mm256_fmadd_ps(lo, s0, m0), _mm256_fmadd_ps(hi, s1, m1));
-    }
-  }
-}
-
-// R <= 3 rows (a packed [K, R]), fp32 activations: each weight dequantized in registers and used for every
-// row. One row keeps two interleaved accumulator sets (FMA latency); more rows are independent chains.
-template <int R>
-struct RegisterTile {
-  static constexpr int I = R == 1 ? 2 : 1;
-  __m256 acc[I][R][2];
-  RegisterTile() {
-    for (int i = 0; i < I; ++i)
-      for (int r = 0; r < R; ++r) acc[i][r][0] = acc[i][r][1] = _mm256_setzero_ps();
-  }
-  inline void add(const float* a, int64_t k, int t, __m256 w0, __m256 w1) {
-    const int i = I == 2 ? (t & 1) : 0;
-    for (int r = 0; r < R; ++r) {
-      const __m256 av = _mm256_broadcast_ss(a + k * R + r);
-      acc[i][r][0] = _mm256_fmadd_ps(av, w0, acc[i][r][0]);
-      acc[i][r][1] = _mm256_fmadd_ps(av, w1, acc[i][r][1]);
-    }
-  }
-  void store(float* c) const {
-    for (int r = 0; r < R; ++r) {
-      __m256 c0 = acc[0][r][0], c1 = acc[0][r][1];
-      if (I == 2) c0 = _mm256_add_ps(c0, acc[I - 1][r][0]), c1 = _mm256_add_ps(c1, acc[I - 1][r][1]);
-      _mm256_storeu_ps(c + r * NR, c0);
-      _mm256_storeu_ps(c + r * NR + 8, c1);
-    }
-  }
-};
-
-template <typename S, int R>
-__attribute__((noinline)) void micro_kernel_int4(const float* a, const uint8_t* q, const sm_t<S>* sm, int64_t K,
-                                                 int64_t G, float* c) {
-  RegisterTile<R> tile;
-  for_each_dequantized<S>(q, sm, K, G, [&](int64_t k, int t, __m256 w0, __m256 w1) { tile.add(a, k, t, w0, w1); });
-  tile.store(c);
-}
-
-// The panel as fp32 [K, 16], for many rows (then the fp32 micro-kernel runs at the FMA rate).
-template <typename S>
-void widen_int4(const uint8_t* q, const sm_t<S>* sm, int64_t K, int64_t G, float* buf) {
-  for_each_dequantized<S>(q, sm, K, G, [&](int64_t k, int, __m256 w0, __m256 w1) {
-    _mm256_storeu_ps(buf + k * NR, w0);
-    _mm256_storeu_ps(buf + k * NR + 8, w1);
-  });
-}
-
-#ifdef PC_AVX512
-// An exact fp32 weight's panel p from its int4 form (cpu_exact_int4.cpp): fma(q, d, m) as the check built it. A quad's
-// 16 uint16 (one a column) zero-extended to lanes; code t of each is its nibble t, and vpermps, which reads only an
-// index's low 4 bits, turns it into the float q from a table: 3 instructions per 16 weights (shift, permute, fma).
-void widen_exact_int4(const PackedWeight& w, int64_t p, float* buf) {
-  const int64_t K = w.K, G = w.exact_group;
-  const uint16_t* q = exact_q_of(w, p);
-  const c10::Half* sm = exact_sm_of(w, p);
-  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int64_t g = 0; g < K / G; ++g) {
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + g * 2 * NR)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + g * 2 * NR + NR)));
-    for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
-      _mm_prefetch(reinterpret_cast<const char*>(q + k * 4) + PF4, _MM_HINT_T0);
-      const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k * 4)));
-      _mm512_storeu_ps(buf + k * NR, _mm512_fmadd_ps(_mm512_permutexvar_ps(v, codes), d, m));
-      _mm512_storeu_ps(buf + (k + 1) * NR, _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), codes), d, m));
-      _mm512_storeu_ps(buf + (k + 2) * NR, _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), codes), d, m));
-      _mm512_storeu_ps(buf + (k + 3) * NR, _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), codes), d, m));
-    }
-  }
-}
-
-// R rows x P panels of an exact weight, each weight widened in registers as widen_exact_int4 widens it and used
-// at once: widening into a buffer and tiling it moved every fp32 weight through L2 twice (~7 ms a one-row step
-// on 2 threads). The same FMA chain per output as micro_kernel_zmm (from +0, over k in order): bit for bit its
-// result. The same panel of the next group is asked for into L2 as this one is read.
-template <int R, int P>
-__attribute__((noinline)) void exact_tile_rp(const float* a, int64_t ka, int64_t ra, const ExactPanels& e, int64_t K,
-                                             int64_t G, float* c) {
-  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512 acc[R][P];
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < K / G; ++g) {
-    __m512 d[P], m[P];
-#pragma GCC unroll 4
-    for (int p = 0; p < P; ++p) {
-      d[p] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(e.sm[p] + g * 2 * NR)));
-      m[p] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(e.sm[p] + g * 2 * NR + NR)));
-    }
-    for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
-      __m512i v[P];
-#pragma GCC unroll 4
-      for (int p = 0; p < P; ++p) {
-        if ((k & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(e.q[p] + e.ahead + k * 4), _MM_HINT_T1);
-        v[p] = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(e.q[p] + k * 4)));
-      }
-#pragma GCC unroll 4
-      for (int t = 0; t < 4; ++t) {
-        const float* ak = a + (k + t) * ka;
-#pragma GCC unroll 4
-        for (int p = 0; p < P; ++p) {
-          const __m512 wv = _mm512_fmadd_ps(_mm512_permutexvar_ps(v[p], codes), d[p], m[p]);
-          v[p] = _mm512_srli_epi32(v[p], 4);  // the next input's nibble into the index bits
-#pragma GCC unroll 6
-          for (int r = 0; r < R; ++r) acc[r][p] = _mm512_fmadd_ps(_mm512_set1_ps(ak[r * ra]), wv, acc[r][p]);
-        }
-      }
-    }
-  }
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int p = 0; p < P; ++p) _mm512_storeu_ps(c + p * MR * NR + r * NR, acc[r][p]);
-}
-
-template <int R>
-void exact_tile_r(int64_t np, const float* a, int64_t ka, int64_t ra, const ExactPanels& e, int64_t K, int64_t G,
-                  float* c) {
-  switch (np) {
-    case 1: return exact_tile_rp<R, 1>(a, ka, ra, e, K, G, c);
-    case 2: return exact_tile_rp<R, 2>(a, ka, ra, e, K, G, c);
-    case 3: return exact_tile_rp<R, 3>(a, ka, ra, e, K, G, c);
-    default: return exact_tile_rp<R, 4>(a, ka, ra, e, K, G, c);
-  }
-}
-
-void exact_tile(int64_t rows, int64_t np, const float* a, int64_t ka, int64_t ra, const ExactPanels& e, int64_t K,
-                int64_t G, float* c) {
-  switch (rows) {
-    case 1: return exact_tile_r<1>(np, a, ka, ra, e, K, G, c);
-    case 2: return exact_tile_r<2>(np, a, ka, ra, e, K, G, c);
-    case 3: return exact_tile_r<3>(np, a, ka, ra, e, K, G, c);
-    case 4: return exact_tile_r<4>(np, a, ka, ra, e, K, G, c);
-    case 5: return exact_tile_r<5>(np, a, ka, ra, e, K, G, c);
-    default: return exact_tile_r<6>(np, a, ka, ra, e, K, G, c);
-  }
-}
-#endif
-
-// R rows of int8 activations (xq rows at stride K, block scales d at stride K / 32, group sums xs at
-// stride K / G) against one panel; G a multiple of 32. Per quad and row: one maddubs per 8 columns
-// (u4 x s8, pairs summed to int16: |.| <= 2 * 15 * 127), added in int16 over the block's 8 quads
-// (<= 30480, no overflow), widened once per block by madd with ones.
-template <int R, typename S>
-__attribute__((noinline)) void micro_kernel_int4_int8(const int8_t* xq, const float* d, const float* xs, int64_t K,
-                                                      int64_t G, const uint8_t* q, const sm_t<S>* sm, float* c) {
-  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  const int64_t blocks = K / QB, groups = K / G, per_group = G / QB;
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const sm_t<S>* gsm = sm + g * 2 * NR;
-    const __m256 s0 = load_sm(gsm), s1 = load_sm(gsm + 8);
-    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
-      const uint8_t* qb = q + b * QB * 8;  // 256 bytes: 8 quads
-      for (int l = 0; l < 256; l += 64) _mm_prefetch(reinterpret_cast<const char*>(qb + PF4 + l), _MM_HINT_T0);
-      __m256i sum[R][2];
-      for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + j * 32));
-        const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-        for (int r = 0; r < R; ++r) {
-          int32_t x4;
-          std::memcpy(&x4, xq + r * K + b * QB + j * 4, 4);
-          const __m256i xv = _mm256_set1_epi32(x4);
-          sum[r][0] = _mm256_add_epi16(sum[r][0], _mm256_maddubs_epi16(lo, xv));
-          sum[r][1] = _mm256_add_epi16(sum[r][1], _mm256_maddubs_epi16(hi, xv));
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m256 dv = _mm256_broadcast_ss(d + r * blocks + b);
-        acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r][0], ones)), _mm256_mul_ps(s0, dv), acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r][1], ones)), _mm256_mul_ps(s1, dv), acc[r][1]);
-      }
-    }
-    const __m256 m0 = load_min<S>(gsm + NR, s0), m1 = load_min<S>(gsm + NR + 8, s1);
-    for (int r = 0; r < R; ++r) {
-      const __m256 xsv = _mm256_broadcast_ss(xs + r * groups + g);
-      acc[r][0] = _mm256_fmadd_ps(xsv, m0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(xsv, m1, acc[r][1]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(c + r * NR, acc[r][0]);
-    _mm256_storeu_ps(c + r * NR + 8, acc[r][1]);
-  }
-}
-#else
-template <typename S>
-inline float min_of(const sm_t<S>* gsm, int64_t j) {  // column j's min in a group's panel
-  if constexpr (std::is_same_v<S, HalfZero>)
-    return -(float(gsm[NR + j]) * float(gsm[j]));
-  else
-    return float(gsm[NR + j]);
-}
-
-inline int code(const uint8_t* q, int64_t k, int64_t j) {  // column j's code at input k
-  const uint8_t b = q[(k / 4) * 32 + (j % 8) * 4 + k % 4];
-  return j < 8 ? (b & 0x0F) : (b >> 4);
-}
-
-template <typename S>
-void widen_int4(const uint8_t* q, const sm_t<S>* sm, int64_t K, int64_t G, float* buf) {
-  for (int64_t k = 0; k < K; ++k) {
-    const sm_t<S>* gsm = sm + (k / G) * 2 * NR;
-    for (int64_t j = 0; j < NR; ++j) buf[k * NR + j] = float(code(q, k, j)) * float(gsm[j]) + min_of<S>(gsm, j);
-  }
-}
-
-template <int R, typename S>
-void micro_kernel_int4_int8(const int8_t* xq, const float* d, const float* xs, int64_t K, int64_t G,
-                            const uint8_t* q, const sm_t<S>* sm, float* c) {
-  const int64_t blocks = K / QB, groups = K / G, per_group = G / QB;
-  for (int r = 0; r < R; ++r)
-    for (int64_t j = 0; j < NR; ++j) {
-      float acc = 0;
-      for (int64_t g = 0; g < groups; ++g) {
-        const sm_t<S>* gsm = sm + g * 2 * NR;
-        for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
-          int32_t dot = 0;
-          for (int64_t k = b * QB; k < (b + 1) * QB; ++k) dot += code(q, k, j) * xq[r * K + k];
-          acc += float(dot) * (float(gsm[j]) * d[r * blocks + b]);
-        }
-        acc += xs[r * groups + g] * min_of<S>(gsm, j);
-      }
-      c[r * NR + j] = acc;
-    }
-}
-#endif
-
-// Rows of x as int8 per block of 32 inputs (xq = round-half-even(x * (127 * (1 / max|x|))), d = max|x| / 127),
-// and per row and group xs = sum over its blocks of d * sum(xq): the min term's activation sum. A block
-// holding inf or NaN gets d = NaN, so it reaches the output as NaN rather than as a wrong number.
-template <typename X>
-void quantize_rows(const X* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* d, float* xs) {
-  const int64_t blocks = K / QB, groups = K / G, per_group = G / QB;
-  for (int64_t i = 0; i < M * groups; ++i) xs[i] = 0.f;
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t b = 0; b < blocks; ++b) {
-      float v[QB];
-      uint32_t amax_bits = 0;  // max of |x| on the bits: ordered like the floats, and NaN sorts above inf
-      for (int64_t j = 0; j < QB; ++j) {
-        v[j] = static_cast<float>(x[i * K + b * QB + j]);
-        uint32_t u;
-        std::memcpy(&u, &v[j], 4);
-        amax_bits = std::max(amax_bits, u & 0x7FFFFFFFu);
-      }
-      int8_t* out = xq + i * K + b * QB;
-      float db = 0.f;
-      int32_t total = 0;
-      if (amax_bits >= 0x7F800000u) {
-        const uint32_t nan_bits = 0x7FC00000u;
-        std::memcpy(&db, &nan_bits, 4);
-        std::memset(out, 0, QB);
-      } else if (amax_bits == 0) {
-        std::memset(out, 0, QB);
-      } else {
-        float amax;
-        std::memcpy(&amax, &amax_bits, 4);
-        const float id = 127.f * (1.f / amax);  // as written: -ffast-math may turn 127 / amax into this anyway
-        db = amax / 127.f;
-        for (int64_t j = 0; j < QB; ++j) {
-          const int32_t qv = static_cast<int32_t>(std::nearbyint(v[j] * id));
-          out[j] = static_cast<int8_t>(qv);
-          total += qv;
-        }
-      }
-      d[i * blocks + b] = db;
-      xs[i * groups + b / per_group] += db * static_cast<float>(total);
-    }
-}
-
-// Panels [p0, p1) of an int4 weight against int8-quantized rows, two rows at a time.
-template <typename X, typename S>
-void int4_int8_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1) {
-  const int64_t M = in.M, N = w.N, K = w.K, G = w.group_size, groups = K / G, Kp = round4(K);
-  const uint8_t* q = static_cast<const uint8_t*>(w.w);
-  float c[2 * NR];
-  for (int64_t p = p0; p < p1; ++p) {
-    const uint8_t* qp = q + p * Kp * 8;
-    const sm_t<S>* smp = static_cast<const sm_t<S>*>(w.scale_min) + p * groups * 2 * NR;
-    const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
-    for (int64_t i = 0; i < M; i += 2) {
-      const int64_t rows = std::min<int64_t>(2, M - i);
-      const int8_t* xi = in.xq.data() + i * K;
-      const float *di = in.d.data() + i * (K / QB), *si = in.xs.data() + i * groups;
-      if (rows == 2)
-        micro_kernel_int4_int8<2, S>(xi, di, si, K, G, qp, smp, c);
-      else
-        micro_kernel_int4_int8<1, S>(xi, di, si, K, G, qp, smp, c);
-      store_tile(c, rows, ncols, w.bias, n0, y + i * N + n0, N);
-    }
-  }
-}
-
-// Panels [p0, p1) of an int4 weight against fp32 rows: dequantized in registers (one row) or widened.
-template <typename X, typename S>
-void int4_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1, std::vector<float>& wbuf) {
-  const int64_t M = in.M, N = w.N, K = w.K, G = w.group_size, groups = K / G, Kp = round4(K);
-  const uint8_t* q = static_cast<const uint8_t*>(w.w);
-  const bool widen = M > REGISTER_ROWS;
-  if (widen && int64_t(wbuf.size()) < K * NR) wbuf.resize(K * NR);
-  float c[MR * NR];
-  for (int64_t m0 = 0; m0 < M; m0 += MC) {
-    const int64_t m1 = std::min(M, m0 + MC);
-    for (int64_t p = p0; p < p1; ++p) {
-      const uint8_t* qp = q + p * Kp * 8;
-      const sm_t<S>* smp = static_cast<const sm_t<S>*>(w.scale_min) + p * groups * 2 * NR;
-      if (widen) widen_int4<S>(qp, smp, K, G, wbuf.data());
-      const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
-      for (int64_t i = m0; i < m1; i += MR) {
-        const int64_t rows = std::min(MR, m1 - i);
-        const float* a = in.xp.data() + i * K;
-        if (widen)
-          tile(rows, a, rows, 1, wbuf.data(), K, c);
-#ifdef PC_AVX2
-        else if (rows == 1)
-          micro_kernel_int4<S, 1>(a, qp, smp, K, G, c);
-        else if (rows == 2)
-          micro_kernel_int4<S, 2>(a, qp, smp, K, G, c);
-        else
-          micro_kernel_int4<S, 3>(a, qp, smp, K, G, c);
-#endif
-        store_tile(c, rows, ncols, w.bias, n0, y + i * N + n0, N);
-      }
-    }
-  }
-}
-
-// ---- int8 weights (w = q * scale per group of G inputs: GGUF's Q8_0, compressed-tensors' W8A16) -------
-// Panel p holds K (rounded up to 4, zero past K) inputs in quads: 64 bytes per quad, byte c * 4 + t =
-// column c at input 4 * quad + t (columns 0-7 in its first 32 bytes, 8-15 in the next 32): each 32-bit
-// lane holds 4 inputs of one column, as in the int4 panels. Beside it, per group, 16 scales (fp16 where
-// every one is one, as Q8_0's d, else fp32); per channel is one group of K. Decode rows (M <= int8_rows)
-// take int8 activations per 32 inputs as the int4 kernel does (llama.cpp's Q8_0 x Q8_0); other rows
-// widen the panel to fp32 once and run the fp32 micro-kernel.
-#ifdef PC_AVX2
-// Each k of the panel dequantized (columns 0-7, 8-15) and handed to f(k, t = k % 4, w0, w1).
-template <typename S, typename F>
-inline void for_each_dequantized_int8(const int8_t* q, const sm_t<S>* sc, int64_t K, int64_t G, F&& f) {
-  __m256 s0 = _mm256_setzero_ps(), s1 = s0;
-  int64_t next = 0;
-  for (int64_t k0 = 0; k0 < K; k0 += 4) {
-    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k0 * 16));
-    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k0 * 16 + 32));
-#pragma GCC unroll 4
-    for (int t = 0; t < 4; ++t) {
-      const int64_t k = k0 + t;
-      if (k == K) return;
-      if (k == next) {
-        const sm_t<S>* g = sc + (k / G) * NR;
-        s0 = load_sm(g), s1 = load_sm(g + 8);
-        next += G;
-      }
-      // byte t of every lane, sign-extended: to the top byte, then an arithmetic shift down
-      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v0, 24 - 8 * t), 24));
-      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v1, 24 - 8 * t), 24));
-      f(k, t, _mm256_mul_ps(w0, s0), _mm256_mul_ps(w1, s1));
-    }
-  }
-}
-
-template <typename S>
-void widen_int8(const int8_t* q, const sm_t<S>* sc, int64_t K, int64_t G, float* buf) {
-  for_each_dequantized_int8<S>(q, sc, K, G, [&](int64_t k, int, __m256 w0, __m256 w1) {
-    _mm256_storeu_ps(buf + k * NR, w0);
-    _mm256_storeu_ps(buf + k * NR + 8, w1);
-  });
-}
-
-template <typename S, int R>
-__attribute__((noinline)) void micro_kernel_int8(const float* a, const int8_t* q, const sm_t<S>* sc, int64_t K,
-                                                 int64_t G, float* c) {
-  RegisterTile<R> tile;
-  for_each_dequantized_int8<S>(q, sc, K, G, [&](int64_t k, int t, __m256 w0, __m256 w1) { tile.add(a, k, t, w0, w1); });
-  tile.store(c);
-}
-
-// R rows of int8 activations against one int8 panel. Per quad and row: |w| (unsigned) times x with w's
-// sign (maddubs: pairs summed to int16, |.| <= 2 * 128 * 127), widened by madd with ones and summed in
-// int32 over the block; then y += s * d * sum per block in fp32.
-template <int R, typename S>
-__attribute__((noinline)) void micro_kernel_int8_int8(const int8_t* xq, const float* d, int64_t K, int64_t G,
-                                                      const int8_t* q, const sm_t<S>* sc, float* c) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  const int64_t blocks = K / QB, per_group = G / QB;
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const sm_t<S>* g = sc + (b / per_group) * NR;
-    const __m256 s0 = load_sm(g), s1 = load_sm(g + 8);
-    const int8_t* qb = q + b * QB * 16;  // 512 bytes: 8 quads
-    for (int l = 0; l < 512; l += 64) _mm_prefetch(reinterpret_cast<const char*>(qb + PF4 + l), _MM_HINT_T0);
-    __m256i sum[R][2];
-    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + j * 64));
-      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + j * 64 + 32));
-      const __m256i a0 = _mm256_abs_epi8(v0), a1 = _mm256_abs_epi8(v1);
-      for (int r = 0; r < R; ++r) {
-        int32_t x4;
-        std::memcpy(&x4, xq + r * K + b * QB + j * 4, 4);
-        const __m256i xv = _mm256_set1_epi32(x4);
-        const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xv, v0));
-        const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xv, v1));
-        sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(p0, ones));
-        sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(p1, ones));
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m256 dv = _mm256_broadcast_ss(d + r * blocks + b);
-      acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][0]), _mm256_mul_ps(s0, dv), acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][1]), _mm256_mul_ps(s1, dv), acc[r][1]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(c + r * NR, acc[r][0]);
-    _mm256_storeu_ps(c + r * NR + 8, acc[r][1]);
-  }
-}
-#else
-inline int code8(const int8_t* q, int64_t k, int64_t j) { return q[(k / 4) * 64 + j * 4 + k % 4]; }
-
-template <typename S>
-void widen_int8(const int8_t* q, const sm_t<S>* sc, int64_t K, int64_t G, float* buf) {
-  for (int64_t k = 0; k < K; ++k)
-    for (int64_t j = 0; j < NR; ++j) buf[k * NR + j] = float(code8(q, k, j)) * float(sc[(k / G) * NR + j]);
-}
-
-template <int R, typename S>
-void micro_kernel_int8_int8(const int8_t* xq, const float* d, int64_t K, int64_t G, const int8_t* q,
-                            const sm_t<S>* sc, float* c) {
-  const int64_t blocks = K / QB, per_group = G / QB;
-  for (int r = 0; r < R; ++r)
-    for (int64_t j = 0; j < NR; ++j) {
-      float acc = 0;
-      for (int64_t b = 0; b < blocks; ++b) {
-        int32_t dot = 0;
-        for (int64_t k = b * QB; k < (b + 1) * QB; ++k) dot += code8(q, k, j) * xq[r * K + k];
-        acc += float(dot) * (float(sc[(b / per_group) * NR + j]) * d[r * blocks + b]);
-      }
-      c[r * NR + j] = acc;
-    }
-}
-#endif
-
-// Panels [p0, p1) of an int8 weight against int8-quantized rows, two rows at a time.
-template <typename X, typename S>
-void int8_int8_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1) {
-  const int64_t M = in.M, N = w.N, K = w.K, G = w.group_size, groups = K / G, Kp = round4(K);
-  const int8_t* q = static_cast<const int8_t*>(w.w);
-  float c[2 * NR];
-  for (int64_t p = p0; p < p1; ++p) {
-    const int8_t* qp = q + p * Kp * NR;
-    const sm_t<S>* scp = static_cast<const sm_t<S>*>(w.scale_min) + p * groups * NR;
-    const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
-    for (int64_t i = 0; i < M; i += 2) {
-      const int64_t rows = std::min<int64_t>(2, M - i);
-      const int8_t* xi = in.xq.data() + i * K;
-      const float* di = in.d.data() + i * (K / QB);
-      if (rows == 2)
-        micro_kernel_int8_int8<2, S>(xi, di, K, G, qp, scp, c);
-      else
-        micro_kernel_int8_int8<1, S>(xi, di, K, G, qp, scp, c);
-      store_tile(c, rows, ncols, w.bias, n0, y + i * N + n0, N);
-    }
-  }
-}
-
-// Panels [p0, p1) of an int8 weight against fp32 rows: dequantized in registers (a few rows) or each
-// panel widened once, then the fp32 tiles.
-template <typename X, typename S>
-void int8_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1, std::vector<float>& wbuf) {
-  const int64_t M = in.M, N = w.N, K = w.K, G = w.group_size, groups = K / G, Kp = round4(K);
-  const int8_t* q = static_cast<const int8_t*>(w.w);
-  const bool widen = M > REGISTER_ROWS;
-  if (widen && int64_t(wbuf.size()) < K * NR) wbuf.resize(K * NR);
-  float c[MR * NR];
-  for (int64_t m0 = 0; m0 < M; m0 += MC) {
-    const int64_t m1 = std::min(M, m0 + MC);
-    for (int64_t p = p0; p < p1; ++p) {
-      const int8_t* qp = q + p * Kp * NR;
-      const sm_t<S>* scp = static_cast<const sm_t<S>*>(w.scale_min) + p * groups * NR;
-      if (widen) widen_int8<S>(qp, scp, K, G, wbuf.data());
-      const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
-      for (int64_t i = m0; i < m1; i += MR) {
-        const int64_t rows = std::min(MR, m1 - i);
-        const float* a = in.xp.data() + i * K;
-        if (widen)
-          tile(rows, a, rows, 1, wbuf.data(), K, c);
-#ifdef PC_AVX2
-        else if (rows == 1)
-          micro_kernel_int8<S, 1>(a, qp, scp, K, G, c);
-        else if (rows == 2)
-          micro_kernel_int8<S, 2>(a, qp, scp, K, G, c);
-        else
-          micro_kernel_int8<S, 3>(a, qp, scp, K, G, c);
-#endif
-        store_tile(c, rows, ncols, w.bias, n0, y + i * N + n0, N);
-      }
-    }
-  }
-}
-
 template <typename X>
 void fill_input(const PackedWeight& w, const X* x, GemmInput& in, int64_t t0, int64_t t1) {
   const int64_t K = w.K;
@@ -1206,29 +454,9 @@ void fill_input(const PackedWeight& w, const X* x, GemmInput& in, int64_t t0, in
 template <typename X>
 void panels_of(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1, std::vector<float>& wbuf,
                LineStream* side) {
-  switch (w.type) {
-    case at::kFloat: return dense_panels<X, float>(w, in, y, p0, p1, wbuf, side);
-    case at::kBFloat16: return dense_panels<X, c10::BFloat16>(w, in, y, p0, p1, wbuf, side);
-    case at::kChar:
-      if (w.half_scales) {
-        if (in.int8) return int8_int8_panels<X, c10::Half>(w, in, y, p0, p1);
-        return int8_panels<X, c10::Half>(w, in, y, p0, p1, wbuf);
-      }
-      if (in.int8) return int8_int8_panels<X, float>(w, in, y, p0, p1);
-      return int8_panels<X, float>(w, in, y, p0, p1, wbuf);
-    case at::kByte:
-      if (w.zero_point) {
-        if (in.int8) return int4_int8_panels<X, HalfZero>(w, in, y, p0, p1);
-        return int4_panels<X, HalfZero>(w, in, y, p0, p1, wbuf);
-      }
-      if (w.half_scales) {
-        if (in.int8) return int4_int8_panels<X, c10::Half>(w, in, y, p0, p1);
-        return int4_panels<X, c10::Half>(w, in, y, p0, p1, wbuf);
-      }
-      if (in.int8) return int4_int8_panels<X, float>(w, in, y, p0, p1);
-      return int4_panels<X, float>(w, in, y, p0, p1, wbuf);
-    default: TORCH_CHECK(false, "packed weight type");
-  }
+  if (w.type == at::kFloat) return dense_panels<X, float>(w, in, y, p0, p1, wbuf, side);
+  TORCH_CHECK(w.type == at::kBFloat16, "packed weight type");
+  dense_panels<X, c10::BFloat16>(w, in, y, p0, p1, wbuf, side);
 }
 
 // A prompt's rows split between threads, each over every panel (from ROW_SPLIT_ROWS rows, x read in place): no
@@ -1278,6 +506,8 @@ void run_linear(const PackedWeight& w, const torch::Tensor& x2, torch::Tensor& y
   });
 }
 
+}  // namespace
+
 // x [..., K] times the packed weight w (its bias from `bias`) -> [..., N] in x's dtype: the torch ops' body.
 torch::Tensor run_packed(const torch::Tensor& x, PackedWeight w, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x: float32 or bfloat16");
@@ -1294,6 +524,8 @@ torch::Tensor run_packed(const torch::Tensor& x, PackedWeight w, const c10::opti
   if (x2.size(0) > 0) run_linear(w, x2, y);
   return y.view(out_sizes);
 }
+
+namespace {
 
 // silu(x W_gate^T) * (x W_up^T) over the fused [gate; up] packed weight: in the tiles where the AVX-512 ones run
 // fp32 or widened bf16 panels (AVX2: the ymm tiles of fp32 / bf16 panels), else the product then silu_and_mul.
@@ -1378,6 +610,8 @@ void gemm_input_fill(const PackedWeight& w, at::ScalarType x_type, const void* x
 void gemm_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0, int64_t p1,
                  std::vector<float>& wbuf, LineStream* side) {
   if (w.vnni) return vnni_panels(w, in, x_type, y, p0, p1, side);
+  if (w.type == at::kByte) return int4_gemm_panels(w, in, x_type, y, p0, p1, wbuf);
+  if (w.type == at::kChar) return int8_gemm_panels(w, in, x_type, y, p0, p1, wbuf);
   if (x_type == at::kFloat) return panels_of(w, in, static_cast<float*>(y), p0, p1, wbuf, side);
   TORCH_CHECK(x_type == at::kBFloat16, "x: float32 or bfloat16");
   panels_of(w, in, static_cast<c10::BFloat16*>(y), p0, p1, wbuf, side);
@@ -1489,76 +723,4 @@ torch::Tensor packed_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int6
   PackedWeight w{packed.scalar_type(), packed.data_ptr(), nullptr, nullptr, N, K, 0, 0};
   w.vnni = vnni;
   return run_packed_silu_mul(x, w, bias);
-}
-
-// q: uint8 [N, K] values 0..15; scale, min: fp32 [N, K / G]. Returns (q panels uint8 [panels, K
-// rounded up to 4, 8] in quads (see the int4 section), scale/min [panels, K / G, 2, 16] in scale's dtype,
-// fp32 or fp16); padding
-// columns and inputs are zero.
-std::tuple<torch::Tensor, torch::Tensor> pack_int4_weight(torch::Tensor q, torch::Tensor scale, torch::Tensor min,
-                                                         int64_t group_size) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, "q: uint8 [N, K]");
-  const int64_t N = q.size(0), K = q.size(1), G = group_size, panels = (N + NR - 1) / NR, Kp = round4(K);
-  TORCH_CHECK(G > 0 && G % 2 == 0 && K % G == 0, "K must be a multiple of an even group size");
-  TORCH_CHECK(scale.sizes() == min.sizes() && scale.size(0) == N && scale.size(1) == K / G, "scale/min: [N, K / G]");
-  auto qp = torch::zeros({panels * NR, Kp}, q.options());
-  qp.narrow(0, 0, N).narrow(1, 0, K).copy_(q.bitwise_and(0x0F));
-  qp = qp.view({panels, NR, Kp / 4, 4}).permute({0, 2, 1, 3});  // [panels, quads, 16 columns, 4 inputs]
-  auto packed = qp.narrow(2, 0, 8).bitwise_or(qp.narrow(2, 8, 8).bitwise_left_shift(4)).contiguous().view({panels, Kp, 8});
-  TORCH_CHECK(scale.scalar_type() == min.scalar_type() &&
-                  (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf),
-              "scale/min: both fp32 or both fp16 (the panels keep their dtype)");
-  auto sm = torch::zeros({panels * NR, K / G, 2}, scale.options());
-  sm.narrow(0, 0, N).select(2, 0).copy_(scale);
-  sm.narrow(0, 0, N).select(2, 1).copy_(min);
-  sm = sm.view({panels, NR, K / G, 2}).permute({0, 2, 3, 1}).contiguous();  // [panels, K/G, 2, 16]
-  return {packed, sm};
-}
-
-torch::Tensor packed_linear_int4(torch::Tensor x, torch::Tensor q, torch::Tensor sm, int64_t out_features,
-                                 int64_t group_size, c10::optional<torch::Tensor> bias, int64_t int8_rows,
-                                 bool zero_point) {
-  TORCH_CHECK(q.dim() == 3 && q.size(2) == 8 && q.is_contiguous() && q.scalar_type() == at::kByte, "q: [panels, K, 8]");
-  TORCH_CHECK(sm.dim() == 4 && sm.size(0) == q.size(0) && sm.size(2) == 2 && sm.size(3) == NR && sm.is_contiguous() &&
-                  (sm.scalar_type() == at::kFloat || sm.scalar_type() == at::kHalf),
-              "scale/min: [panels, K / G, 2, 16] fp32 or fp16");
-  const int64_t G = group_size, K = sm.size(1) * G, N = out_features;
-  TORCH_CHECK(!zero_point || sm.scalar_type() == at::kHalf, "zero points: fp16 scale/zero panels");
-  TORCH_CHECK(G > 0 && q.size(1) == round4(K), "group_size does not match the packed weight");
-  TORCH_CHECK(x.size(-1) == K, "x's last dimension must be the weight's in_features");
-  TORCH_CHECK(q.size(0) * NR >= N, "out_features larger than the packed weight");
-  return run_packed(x, {at::kByte, q.data_ptr(), sm.data_ptr(), nullptr, N, K, G, int8_rows,
-                       sm.scalar_type() == at::kHalf, zero_point}, bias);
-}
-
-// q: int8 [N, K]; scale: fp32 or fp16 [N, K / G] (one group of K: per channel). Returns (q panels int8
-// [panels, K rounded up to 4, 16] in quads (see the int8 section), scale panels [panels, K / G, 16] in
-// scale's dtype); padding columns and inputs are zero.
-std::tuple<torch::Tensor, torch::Tensor> pack_int8_weight(torch::Tensor q, torch::Tensor scale, int64_t group_size) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "q: int8 [N, K]");
-  const int64_t N = q.size(0), K = q.size(1), G = group_size, panels = (N + NR - 1) / NR, Kp = round4(K);
-  TORCH_CHECK(G > 0 && K % G == 0, "K must be a multiple of the group size");
-  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && scale.size(1) == K / G, "scale: [N, K / G]");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf, "scale: fp32 or fp16");
-  auto qp = torch::zeros({panels * NR, Kp}, q.options());
-  qp.narrow(0, 0, N).narrow(1, 0, K).copy_(q);
-  auto packed = qp.view({panels, NR, Kp / 4, 4}).permute({0, 2, 1, 3}).contiguous().view({panels, Kp, NR});
-  auto sc = torch::zeros({panels * NR, K / G}, scale.options());
-  sc.narrow(0, 0, N).copy_(scale);
-  return {packed, sc.view({panels, NR, K / G}).permute({0, 2, 1}).contiguous()};
-}
-
-torch::Tensor packed_linear_int8(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t out_features,
-                                 int64_t group_size, c10::optional<torch::Tensor> bias, int64_t int8_rows) {
-  TORCH_CHECK(q.dim() == 3 && q.size(2) == NR && q.is_contiguous() && q.scalar_type() == at::kChar,
-              "q: int8 [panels, K, 16]");
-  TORCH_CHECK(scale.dim() == 3 && scale.size(0) == q.size(0) && scale.size(2) == NR && scale.is_contiguous() &&
-                  (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf),
-              "scale: [panels, K / G, 16] fp32 or fp16");
-  const int64_t G = group_size, K = scale.size(1) * G, N = out_features;
-  TORCH_CHECK(G > 0 && q.size(1) == round4(K), "group_size does not match the packed weight");
-  TORCH_CHECK(x.size(-1) == K, "x's last dimension must be the weight's in_features");
-  TORCH_CHECK(q.size(0) * NR >= N, "out_features larger than the packed weight");
-  return run_packed(x, {at::kChar, q.data_ptr(), scale.data_ptr(), nullptr, N, K, G, int8_rows,
-                       scale.scalar_type() == at::kHalf, false}, bias);
 }

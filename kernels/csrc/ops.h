@@ -53,11 +53,13 @@ torch::Tensor packed_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int6
 torch::Tensor pack_linear_weight_vnni(torch::Tensor weight);
 bool vnni_amx();
 bool vnni_dpbf16();
+// cpu_gemm_int4.cpp
 std::tuple<torch::Tensor, torch::Tensor> pack_int4_weight(torch::Tensor q, torch::Tensor scale, torch::Tensor min,
                                                          int64_t group_size);
 torch::Tensor packed_linear_int4(torch::Tensor x, torch::Tensor q, torch::Tensor sm, int64_t out_features,
                                  int64_t group_size, c10::optional<torch::Tensor> bias, int64_t int8_rows,
                                  bool zero_point);
+// cpu_gemm_int8.cpp
 std::tuple<torch::Tensor, torch::Tensor> pack_int8_weight(torch::Tensor q, torch::Tensor scale, int64_t group_size);
 torch::Tensor packed_linear_int8(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t out_features,
                                  int64_t group_size, c10::optional<torch::Tensor> bias, int64_t int8_rows);
