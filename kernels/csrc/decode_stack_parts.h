@@ -80,7 +80,7 @@ struct DecodeAttention {
   void kv_lines(int64_t begin, int64_t end, LineStream& out) const;  // the K/V rows items [begin, end) read
 };
 
-// ---- linears over packed weights (cpu_gemm.cpp; int4 and int8: cpu_gemm_int4.cpp, cpu_gemm_int8.cpp) -
+// ---- linears over packed weights (cpu_gemm.cpp; int4, int8: cpu_gemm_int4.cpp, cpu_gemm_int8.cpp) ---
 struct PackedWeight {
   at::ScalarType type;  // kFloat / kBFloat16 panels; kByte: int4 panels with scale/min panels; kChar: int8 panels
                         // with scale panels
@@ -144,7 +144,10 @@ void int4_gemm_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType
                       int64_t p1, std::vector<float>& wbuf);
 void int8_gemm_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0,
                       int64_t p1, std::vector<float>& wbuf);
-// x [..., K] times the packed weight w (its bias from `bias`) -> [..., N] in x's dtype: the packed torch ops' body.
+// Whether fp32 x is read where it lies (row stride K) by w's panels for M rows, not packed into row tiles.
+bool gemm_reads_x_in_place(const PackedWeight& w, int64_t M);
+// x [..., K] times the packed weight w (its bias from `bias`) -> [..., N] in x's dtype: the packed torch ops' body
+// (cpu_linear_ops.cpp).
 torch::Tensor run_packed(const torch::Tensor& x, PackedWeight w, const c10::optional<torch::Tensor>& bias);
 // y[:, panels p0..p1) for all M rows; y [M, N] in x_type. wbuf: the thread's scratch.
 void gemm_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0, int64_t p1,

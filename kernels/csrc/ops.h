@@ -43,7 +43,7 @@ void write_kv_cache_quant(torch::Tensor key, torch::Tensor value, torch::Tensor 
 std::tuple<torch::Tensor, torch::Tensor> argmax_logsumexp(torch::Tensor logits);
 torch::Tensor sample_inverse_cdf(torch::Tensor probs, torch::Tensor u);
 
-// cpu_gemm.cpp
+// cpu_linear_ops.cpp
 torch::Tensor pack_linear_weight(torch::Tensor weight);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias);
 // silu(x Wg^T + bg) * (x Wu^T + bu) over the fused [gate; up] packed weight (out_features = 2 I): [..., I].
