@@ -1,6 +1,6 @@
 // Linears over int4 weights packed once at load (w = q * scale + min per group, as GGUF's Q4_1; GPTQ's zero
 // points as fp16 (scale, zero) pairs): the panels' layout, the decode kernel over int8 activations, the fp32 one.
-#include "gemm_tiles.h"
+#include "quantized_panels.h"
 
 namespace {
 // ---- int4 weights (w = q * scale + min per group of G inputs, as GGUF's Q4_1) ------------------
@@ -156,75 +156,40 @@ void micro_kernel_int4_int8(const int8_t* xq, const float* d, const float* xs, i
 }
 #endif
 
-// Panels [p0, p1) of an int4 weight against int8-quantized rows, two rows at a time.
-template <typename X, typename S>
-void int4_int8_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1) {
-  const int64_t M = in.M, N = w.N, K = w.K, G = w.group_size, groups = K / G, Kp = round4(K);
-  const uint8_t* q = static_cast<const uint8_t*>(w.w);
-  float c[2 * NR];
-  for (int64_t p = p0; p < p1; ++p) {
-    const uint8_t* qp = q + p * Kp * 8;
-    const sm_t<S>* smp = static_cast<const sm_t<S>*>(w.scale_min) + p * groups * 2 * NR;
-    const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
-    for (int64_t i = 0; i < M; i += 2) {
-      const int64_t rows = std::min<int64_t>(2, M - i);
-      const int8_t* xi = in.xq.data() + i * K;
-      const float *di = in.d.data() + i * (K / QB), *si = in.xs.data() + i * groups;
-      if (rows == 2)
-        micro_kernel_int4_int8<2, S>(xi, di, si, K, G, qp, smp, c);
-      else
-        micro_kernel_int4_int8<1, S>(xi, di, si, K, G, qp, smp, c);
-      store_tile(c, rows, ncols, w.bias, n0, y + i * N + n0, N);
-    }
+// int4 panels for quantized_panels.h: 8 bytes a panel per input (16 nibbles), per group 16 scales then 16 mins.
+struct Int4Panels {
+  using Code = uint8_t;
+  static constexpr int64_t kPanelStride = 8, kScaleStride = 2 * NR;
+  template <typename S>
+  static void widen(const Code* q, const sm_t<S>* sm, int64_t K, int64_t G, float* buf) {
+    widen_int4<S>(q, sm, K, G, buf);
   }
-}
-
-// Panels [p0, p1) of an int4 weight against fp32 rows: dequantized in registers (one row) or widened.
-template <typename X, typename S>
-void int4_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1, std::vector<float>& wbuf) {
-  const int64_t M = in.M, N = w.N, K = w.K, G = w.group_size, groups = K / G, Kp = round4(K);
-  const uint8_t* q = static_cast<const uint8_t*>(w.w);
-  const bool widen = M > REGISTER_ROWS;
-  if (widen && int64_t(wbuf.size()) < K * NR) wbuf.resize(K * NR);
-  float c[MR * NR];
-  for (int64_t m0 = 0; m0 < M; m0 += MC) {
-    const int64_t m1 = std::min(M, m0 + MC);
-    for (int64_t p = p0; p < p1; ++p) {
-      const uint8_t* qp = q + p * Kp * 8;
-      const sm_t<S>* smp = static_cast<const sm_t<S>*>(w.scale_min) + p * groups * 2 * NR;
-      if (widen) widen_int4<S>(qp, smp, K, G, wbuf.data());
-      const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
-      for (int64_t i = m0; i < m1; i += MR) {
-        const int64_t rows = std::min(MR, m1 - i);
-        const float* a = in.xp.data() + i * K;
-        if (widen)
-          tile(rows, a, rows, 1, wbuf.data(), K, c);
+  template <int R, typename S>
+  static void int8_rows(const GemmInput& in, int64_t i, int64_t K, int64_t G, const Code* q, const sm_t<S>* sm,
+                        float* c) {
+    micro_kernel_int4_int8<R, S>(in.xq.data() + i * K, in.d.data() + i * (K / QB), in.xs.data() + i * (K / G), K, G, q,
+                                 sm, c);
+  }
 #ifdef PC_AVX2
-        else if (rows == 1)
-          micro_kernel_int4<S, 1>(a, qp, smp, K, G, c);
-        else if (rows == 2)
-          micro_kernel_int4<S, 2>(a, qp, smp, K, G, c);
-        else
-          micro_kernel_int4<S, 3>(a, qp, smp, K, G, c);
-#endif
-        store_tile(c, rows, ncols, w.bias, n0, y + i * N + n0, N);
-      }
-    }
+  template <typename S, int R>
+  static void registers(const float* a, const Code* q, const sm_t<S>* sm, int64_t K, int64_t G, float* c) {
+    micro_kernel_int4<S, R>(a, q, sm, K, G, c);
   }
-}
+#endif
+};
 
 template <typename X>
 void panels_of(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1, std::vector<float>& wbuf) {
   if (w.zero_point) {
-    if (in.int8) return int4_int8_panels<X, HalfZero>(w, in, y, p0, p1);
-    return int4_panels<X, HalfZero>(w, in, y, p0, p1, wbuf);
+    if (in.int8) return quantized_int8_panels<Int4Panels, X, HalfZero>(w, in, y, p0, p1);
+    return quantized_panels<Int4Panels, X, HalfZero>(w, in, y, p0, p1, wbuf);
   }
   if (w.half_scales) {
-    if (in.int8) return int4_int8_panels<X, c10::Half>(w, in, y, p0, p1);
-    return int4_panels<X, c10::Half>(w, in, y, p0, p1, wbuf);
+    if (in.int8) return quantized_int8_panels<Int4Panels, X, c10::Half>(w, in, y, p0, p1);
+    return quantized_panels<Int4Panels, X, c10::Half>(w, in, y, p0, p1, wbuf);
   }
-  if (in.int8) return int4_int8_panels<X, float>(w, in, y, p0, p1);
-  int4_panels<X, float>(w, in, y, p0, p1, wbuf);
+  if (in.int8) return quantized_int8_panels<Int4Panels, X, float>(w, in, y, p0, p1);
+  quantized_panels<Int4Panels, X, float>(w, in, y, p0, p1, wbuf);
 }
 }  // namespace
 
@@ -236,7 +201,7 @@ void int4_gemm_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType
 }
 
 // q: uint8 [N, K] values 0..15; scale, min: fp32 [N, K / G]. Returns (q panels uint8 [panels, K
-// rounded up to 4, 8] in quads (see the int4 section), scale/min [panels, K / G, 2, 16] in scale's dtype,
+// rounded up to 4, 8] in quads (the layout at the top of this file), scale/min [panels, K / G, 2, 16] in scale's dtype,
 // fp32 or fp16); padding
 // columns and inputs are zero.
 std::tuple<torch::Tensor, torch::Tensor> pack_int4_weight(torch::Tensor q, torch::Tensor scale, torch::Tensor min,

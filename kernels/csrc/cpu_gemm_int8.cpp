@@ -1,6 +1,6 @@
 // Linears over int8 weights packed once at load (w = q * scale per group: GGUF's Q8_0, compressed-tensors'
 // W8A16): the panels' layout, the decode kernel over int8 activations, the fp32 one.
-#include "gemm_tiles.h"
+#include "quantized_panels.h"
 
 namespace {
 // ---- int8 weights (w = q * scale per group of G inputs: GGUF's Q8_0, compressed-tensors' W8A16) -------
@@ -121,72 +121,35 @@ void micro_kernel_int8_int8(const int8_t* xq, const float* d, int64_t K, int64_t
 }
 #endif
 
-// Panels [p0, p1) of an int8 weight against int8-quantized rows, two rows at a time.
-template <typename X, typename S>
-void int8_int8_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1) {
-  const int64_t M = in.M, N = w.N, K = w.K, G = w.group_size, groups = K / G, Kp = round4(K);
-  const int8_t* q = static_cast<const int8_t*>(w.w);
-  float c[2 * NR];
-  for (int64_t p = p0; p < p1; ++p) {
-    const int8_t* qp = q + p * Kp * NR;
-    const sm_t<S>* scp = static_cast<const sm_t<S>*>(w.scale_min) + p * groups * NR;
-    const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
-    for (int64_t i = 0; i < M; i += 2) {
-      const int64_t rows = std::min<int64_t>(2, M - i);
-      const int8_t* xi = in.xq.data() + i * K;
-      const float* di = in.d.data() + i * (K / QB);
-      if (rows == 2)
-        micro_kernel_int8_int8<2, S>(xi, di, K, G, qp, scp, c);
-      else
-        micro_kernel_int8_int8<1, S>(xi, di, K, G, qp, scp, c);
-      store_tile(c, rows, ncols, w.bias, n0, y + i * N + n0, N);
-    }
+// int8 panels for quantized_panels.h: 16 bytes a panel per input, per group 16 scales.
+struct Int8Panels {
+  using Code = int8_t;
+  static constexpr int64_t kPanelStride = NR, kScaleStride = NR;
+  template <typename S>
+  static void widen(const Code* q, const sm_t<S>* sc, int64_t K, int64_t G, float* buf) {
+    widen_int8<S>(q, sc, K, G, buf);
   }
-}
-
-// Panels [p0, p1) of an int8 weight against fp32 rows: dequantized in registers (a few rows) or each
-// panel widened once, then the fp32 tiles.
-template <typename X, typename S>
-void int8_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1, std::vector<float>& wbuf) {
-  const int64_t M = in.M, N = w.N, K = w.K, G = w.group_size, groups = K / G, Kp = round4(K);
-  const int8_t* q = static_cast<const int8_t*>(w.w);
-  const bool widen = M > REGISTER_ROWS;
-  if (widen && int64_t(wbuf.size()) < K * NR) wbuf.resize(K * NR);
-  float c[MR * NR];
-  for (int64_t m0 = 0; m0 < M; m0 += MC) {
-    const int64_t m1 = std::min(M, m0 + MC);
-    for (int64_t p = p0; p < p1; ++p) {
-      const int8_t* qp = q + p * Kp * NR;
-      const sm_t<S>* scp = static_cast<const sm_t<S>*>(w.scale_min) + p * groups * NR;
-      if (widen) widen_int8<S>(qp, scp, K, G, wbuf.data());
-      const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
-      for (int64_t i = m0; i < m1; i += MR) {
-        const int64_t rows = std::min(MR, m1 - i);
-        const float* a = in.xp.data() + i * K;
-        if (widen)
-          tile(rows, a, rows, 1, wbuf.data(), K, c);
+  template <int R, typename S>
+  static void int8_rows(const GemmInput& in, int64_t i, int64_t K, int64_t G, const Code* q, const sm_t<S>* sc,
+                        float* c) {
+    micro_kernel_int8_int8<R, S>(in.xq.data() + i * K, in.d.data() + i * (K / QB), K, G, q, sc, c);
+  }
 #ifdef PC_AVX2
-        else if (rows == 1)
-          micro_kernel_int8<S, 1>(a, qp, scp, K, G, c);
-        else if (rows == 2)
-          micro_kernel_int8<S, 2>(a, qp, scp, K, G, c);
-        else
-          micro_kernel_int8<S, 3>(a, qp, scp, K, G, c);
-#endif
-        store_tile(c, rows, ncols, w.bias, n0, y + i * N + n0, N);
-      }
-    }
+  template <typename S, int R>
+  static void registers(const float* a, const Code* q, const sm_t<S>* sc, int64_t K, int64_t G, float* c) {
+    micro_kernel_int8<S, R>(a, q, sc, K, G, c);
   }
-}
+#endif
+};
 
 template <typename X>
 void panels_of(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int64_t p1, std::vector<float>& wbuf) {
   if (w.half_scales) {
-    if (in.int8) return int8_int8_panels<X, c10::Half>(w, in, y, p0, p1);
-    return int8_panels<X, c10::Half>(w, in, y, p0, p1, wbuf);
+    if (in.int8) return quantized_int8_panels<Int8Panels, X, c10::Half>(w, in, y, p0, p1);
+    return quantized_panels<Int8Panels, X, c10::Half>(w, in, y, p0, p1, wbuf);
   }
-  if (in.int8) return int8_int8_panels<X, float>(w, in, y, p0, p1);
-  int8_panels<X, float>(w, in, y, p0, p1, wbuf);
+  if (in.int8) return quantized_int8_panels<Int8Panels, X, float>(w, in, y, p0, p1);
+  quantized_panels<Int8Panels, X, float>(w, in, y, p0, p1, wbuf);
 }
 }  // namespace
 
@@ -198,7 +161,7 @@ void int8_gemm_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType
 }
 
 // q: int8 [N, K]; scale: fp32 or fp16 [N, K / G] (one group of K: per channel). Returns (q panels int8
-// [panels, K rounded up to 4, 16] in quads (see the int8 section), scale panels [panels, K / G, 16] in
+// [panels, K rounded up to 4, 16] in quads (the layout at the top of this file), scale panels [panels, K / G, 16] in
 // scale's dtype); padding columns and inputs are zero.
 std::tuple<torch::Tensor, torch::Tensor> pack_int8_weight(torch::Tensor q, torch::Tensor scale, int64_t group_size) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "q: int8 [N, K]");
