@@ -164,3 +164,12 @@ def test_render_step_profile_and_memory_line():
     assert "| 64 | decode stack | 280.00 | 0.40 | – | – | 275.00 | 3.00 | 1.60 | 15.00 | 4.50 | 200.00 |" in text
     assert "| 64 | layer by layer | 300.00 | 0.40 | 240.00 | 40.00 | 15.00 | 3.00 | 1.60 | 15.00 | 4.50 | 200.00 |" in text
     assert "- Memory: 13.0 GB/s read; all 269 MB of weights in 20.7 ms" in text
+
+
+def test_render_notes_the_runs_a_fastest_row_was_picked_from():
+    data = json.loads(json.dumps(THROUGHPUT))
+    data["results"][0]["seconds_samples"] = [100.0, 103.25]
+    data["results"][1]["seconds_samples"] = [400.0]  # one run: nothing to say
+    md = report.render(data)
+    assert "fastest of 2 runs: 100.00, 103.25 s" in md
+    assert "pagedcore's environment |" in md and "fastest of 1" not in md

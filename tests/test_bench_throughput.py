@@ -209,3 +209,31 @@ def test_roofline_is_the_larger_of_matmul_and_weight_reads():
     fast = roofline.workload_seconds(model, 100, out_lens, max_num_seqs=8, tflops=1e6, read_gbs=1.0)
     assert fast["min_passes"] == 30 and fast["roofline_s"] == fast["memory_s"] == pytest.approx(30 * weights / 1e9)
     assert roofline.workload_seconds(model, 100, out_lens, max_num_seqs=1, tflops=1e6, read_gbs=1.0)["min_passes"] == 60
+
+
+def test_repeats_keep_each_engines_fastest_run(tiny_model_dir, tmp_path, no_peer_venvs, capsys):
+    out = tmp_path / "tp.json"
+    rc = main(["bench", "throughput", "--model", str(tiny_model_dir("llama")), "--dtype", "float32",
+               "--num-prompts", "3", "--input-min", "8", "--input-max", "16", "--output-min", "2",
+               "--output-max", "4", "--num-threads", "1", "--peers", "hf-cb,vllm", "--repeats", "3",
+               "--no-single-stream", "--no-cold-start", "--no-step-profile", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    rows = {r["peer"]: r for r in report["results"]}
+    for name in ("pagedcore", "hf-cb"):  # three fresh runs each, the fastest reported
+        samples = rows[name]["seconds_samples"]
+        assert len(samples) == 3 and all(x > 0 for x in samples)
+        assert rows[name]["seconds"] == pytest.approx(min(samples), abs=1e-3)
+        assert rows[name]["output_tok_s"] == pytest.approx(rows[name]["output_tokens"] / rows[name]["seconds"], rel=1e-3)
+    assert "seconds_samples" not in rows["vllm"] and "skipped" in rows["vllm"]  # not installed: not retried
+    assert report["ratios"]["hf-cb"] == pytest.approx(rows["pagedcore"]["output_tok_s"] / rows["hf-cb"]["output_tok_s"],
+                                                      rel=1e-2)
+    rf = report["roofline"]  # follows the fastest run
+    assert rf["fraction"] == pytest.approx(rf["roofline_s"] / rows["pagedcore"]["seconds"], rel=1e-6)
+    assert "fastest of 3 runs" in capsys.readouterr().out
+
+
+def test_repeats_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "throughput", "--repeats", "0"])
+    assert "must be at least 1" in capsys.readouterr().err

@@ -64,10 +64,13 @@ def throughput_table(throughput: dict) -> list[str]:
         if "skipped" in r:
             body.append([r["engine"], DASH, DASH, DASH, DASH, f"skipped: {r['skipped']}"])
             continue
-        env = r.get("environment")
+        env, samples = r.get("environment"), r.get("seconds_samples", [])
+        notes = [f"ran in {env}"] if env else []
+        if len(samples) > 1:
+            notes.append(f"fastest of {len(samples)} runs: {', '.join(f'{x:.2f}' for x in samples)} s")
         body.append([r["engine"], _num(r.get("output_tok_s")), _num(r.get("total_tok_s")),
                      _num(r.get("requests_s"), "{:.2f}"), _num(_speedup(r, throughput, base), "{:.2f}x"),
-                     f"ran in {env}" if env else ""])
+                     "; ".join(notes)])
     return [f"**Offline throughput**: {_setting(throughput)}", "",
             *_table(["engine", "output tok/s", "total tok/s", "req/s", "pagedcore x", "notes"], body, "lrrrrl")]
 

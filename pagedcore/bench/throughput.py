@@ -7,6 +7,7 @@ roofline (matmul or weight reads), single-stream decode latency (pagedcore vs ll
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import sys
@@ -72,6 +73,39 @@ def run_pagedcore(prompts, out_lens, settings: dict) -> tuple[Result, object, fl
         llm.tensor_parallel = tensor_parallel_report(comm_before, executor.comm_stats(), dt)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     return Result("pagedcore", "pagedcore", dt, len(prompts), sum(map(len, prompts)), n_out), llm, meter.trace.mean_pct
+
+
+def best_run(runs: list[dict]) -> dict:
+    """An engine's fastest offline run (timeit's convention: a shared host's noise only ever slows a run), with
+    every run's seconds beside it."""
+    best = dict(min(runs, key=lambda r: r["seconds"]))
+    best["seconds_samples"] = [round(r["seconds"], 3) for r in runs]
+    return best
+
+
+def repeat_offline(report: dict, times: int, prompts, out_lens, settings: dict, peers, spec: dict,
+                   timeout: float | None) -> None:
+    """Run the offline workload `times` more, in a fresh engine and fresh peer processes, alternating engines each
+    round, and keep each engine's fastest run; the roofline follows pagedcore's fastest."""
+    runs = {r["peer"]: [r] for r in report["results"] if "seconds" in r}
+    by_name = {p.name: p for p in peers}
+    for _ in range(times):
+        ours, llm, _ = run_pagedcore(prompts, out_lens, settings)
+        llm.shutdown()
+        del llm
+        runs["pagedcore"].append(ours.row())
+        for name in [n for n in runs if n in by_name]:
+            row = peer_row(run_peer(by_name[name], spec, timeout=timeout))
+            if "seconds" in row:
+                runs[name].append(row)
+    first = report["results"][0]["seconds"]
+    report["results"] = [best_run(runs[r["peer"]]) if r["peer"] in runs else r for r in report["results"]]
+    rf = report.get("roofline")
+    if rf:
+        faster = first / report["results"][0]["seconds"]
+        for key in ("achieved_tflops", "matmul_fraction", "fraction"):
+            if key in rf:
+                rf[key] *= faster
 
 
 def tensor_parallel_report(before: list[dict], after: list[dict], seconds: float) -> dict:
@@ -167,6 +201,9 @@ def print_report(report: dict) -> None:
             continue
         print(f"{r['engine']:44s} {r['output_tok_s']:10.1f} {r['total_tok_s']:12.1f} {r['requests_s']:8.2f} "
               f"{base / r['output_tok_s']:12.2f}")
+        if len(r.get("seconds_samples", [])) > 1:
+            print(f"{'':44s} fastest of {len(r['seconds_samples'])} runs: "
+                  f"{', '.join(f'{x:.2f}' for x in r['seconds_samples'])} s")
         if r.get("extra", {}).get("precision_fallback"):
             print(f"{'':44s} note: {r['extra']['precision_fallback']}")
     for r in report.get("single_stream", []):
@@ -306,7 +343,9 @@ def main(args) -> int:
             stream_spec = dict(spec, mode="single_stream", prompts=[stream_prompt], output_lens=[stream_len])
             single.append(run_peer(peer, stream_spec, timeout=args.peer_timeout))
     report["single_stream"] = single
-    report["ratios"] = {r["peer"]: round(ours.row()["output_tok_s"] / r["output_tok_s"], 3)
+    if args.repeats > 1:
+        repeat_offline(report, args.repeats - 1, prompts, out_lens, settings, peers, spec, args.peer_timeout)
+    report["ratios"] = {r["peer"]: round(report["results"][0]["output_tok_s"] / r["output_tok_s"], 3)
                         for r in report["results"][1:] if "output_tok_s" in r}
     if args.cold_start:
         samples = latency.cold_start(args.model, args.dtype)
@@ -318,6 +357,13 @@ def main(args) -> int:
     return 0
 
 
+
+
+def _at_least_one(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
 
 
 def _cpu_name() -> str:
@@ -344,6 +390,9 @@ def add_parser(bsub) -> None:
     t.add_argument("--peers", default="", help="comma list of hf-static, hf-cb, vllm, llama-cpp, openvino, or all")
     t.add_argument("--hf-batch-size", type=int, default=32, help="batch size of the hf-static peer")
     t.add_argument("--peer-timeout", type=float, default=3600)
+    t.add_argument("--repeats", type=_at_least_one, default=1,
+                   help="run the offline workload this many times per engine (fresh engines and peer processes, "
+                        "alternating) and report each engine's fastest run with all runs' seconds")
     t.add_argument("--no-roofline", dest="roofline", action="store_false")
     t.add_argument("--no-single-stream", dest="single_stream", action="store_false")
     t.add_argument("--stream-input", type=int, default=128, help="single-stream prompt tokens")
