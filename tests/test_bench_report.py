@@ -173,3 +173,5 @@ def test_render_notes_the_runs_a_fastest_row_was_picked_from():
     md = report.render(data)
     assert "fastest of 2 runs: 100.00, 103.25 s" in md
     assert "pagedcore's environment |" in md and "fastest of 1" not in md
+    data["single_stream"][0]["tpot_samples_s"] = [0.0234, 0.0251]
+    assert "fastest TPOT of 2 runs: 23.40, 25.10 ms" in report.render(data)

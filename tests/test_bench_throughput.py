@@ -216,7 +216,8 @@ def test_repeats_keep_each_engines_fastest_run(tiny_model_dir, tmp_path, no_peer
     rc = main(["bench", "throughput", "--model", str(tiny_model_dir("llama")), "--dtype", "float32",
                "--num-prompts", "3", "--input-min", "8", "--input-max", "16", "--output-min", "2",
                "--output-max", "4", "--num-threads", "1", "--peers", "hf-cb,vllm", "--repeats", "3",
-               "--no-single-stream", "--no-cold-start", "--no-step-profile", "--json", str(out)])
+               "--stream-input", "8", "--stream-output", "4", "--no-cold-start", "--no-step-profile",
+               "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
     rows = {r["peer"]: r for r in report["results"]}
@@ -230,7 +231,12 @@ def test_repeats_keep_each_engines_fastest_run(tiny_model_dir, tmp_path, no_peer
                                                       rel=1e-2)
     rf = report["roofline"]  # follows the fastest run
     assert rf["fraction"] == pytest.approx(rf["roofline_s"] / rows["pagedcore"]["seconds"], rel=1e-6)
-    assert "fastest of 3 runs" in capsys.readouterr().out
+    single = {r["peer"]: r for r in report["single_stream"]}
+    for name in ("pagedcore", "pagedcore-bf16", "pagedcore-int4"):  # each stream 3 times in its engine, the fastest
+        assert len(single[name]["tpot_samples_s"]) == 3
+        assert single[name]["tpot_s"] == min(single[name]["tpot_samples_s"]) and single[name]["output_tokens"] == 4
+    printed = capsys.readouterr().out
+    assert "fastest of 3 runs" in printed and "TPOT" in printed and "(fastest of 3:" in printed
 
 
 def test_repeats_must_be_positive(capsys):
