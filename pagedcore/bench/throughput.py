@@ -20,6 +20,7 @@ from pagedcore.bench.memory import WasteTrace, kv_snapshot
 from pagedcore.bench.output import write_json
 from pagedcore.hookspecs import hookimpl
 from pagedcore.bench.peers import parse_peers, run_peer
+from pagedcore.bench.repeats import repeat_offline
 from pagedcore.bench.workload import add_workload_args, workload_from_args
 
 
@@ -73,39 +74,6 @@ def run_pagedcore(prompts, out_lens, settings: dict) -> tuple[Result, object, fl
         llm.tensor_parallel = tensor_parallel_report(comm_before, executor.comm_stats(), dt)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     return Result("pagedcore", "pagedcore", dt, len(prompts), sum(map(len, prompts)), n_out), llm, meter.trace.mean_pct
-
-
-def best_run(runs: list[dict]) -> dict:
-    """An engine's fastest offline run (timeit's convention: a shared host's noise only ever slows a run), with
-    every run's seconds beside it."""
-    best = dict(min(runs, key=lambda r: r["seconds"]))
-    best["seconds_samples"] = [round(r["seconds"], 3) for r in runs]
-    return best
-
-
-def repeat_offline(report: dict, times: int, prompts, out_lens, settings: dict, peers, spec: dict,
-                   timeout: float | None) -> None:
-    """Run the offline workload `times` more, in a fresh engine and fresh peer processes, alternating engines each
-    round, and keep each engine's fastest run; the roofline follows pagedcore's fastest."""
-    runs = {r["peer"]: [r] for r in report["results"] if "seconds" in r}
-    by_name = {p.name: p for p in peers}
-    for _ in range(times):
-        ours, llm, _ = run_pagedcore(prompts, out_lens, settings)
-        llm.shutdown()
-        del llm
-        runs["pagedcore"].append(ours.row())
-        for name in [n for n in runs if n in by_name]:
-            row = peer_row(run_peer(by_name[name], spec, timeout=timeout))
-            if "seconds" in row:
-                runs[name].append(row)
-    first = report["results"][0]["seconds"]
-    report["results"] = [best_run(runs[r["peer"]]) if r["peer"] in runs else r for r in report["results"]]
-    rf = report.get("roofline")
-    if rf:
-        faster = first / report["results"][0]["seconds"]
-        for key in ("achieved_tflops", "matmul_fraction", "fraction"):
-            if key in rf:
-                rf[key] *= faster
 
 
 def tensor_parallel_report(before: list[dict], after: list[dict], seconds: float) -> dict:
@@ -350,7 +318,13 @@ def main(args) -> int:
                           if len(timed) > 1 else streams[0])
     report["single_stream"] = single
     if args.repeats > 1:
-        repeat_offline(report, args.repeats - 1, prompts, out_lens, settings, peers, spec, args.peer_timeout)
+        def run_ours() -> dict:
+            result, engine, _ = run_pagedcore(prompts, out_lens, settings)
+            engine.shutdown()
+            return result.row()
+
+        repeat_offline(report, args.repeats - 1, run_ours,
+                       lambda peer: peer_row(run_peer(peer, spec, timeout=args.peer_timeout)), peers)
     report["ratios"] = {r["peer"]: round(report["results"][0]["output_tok_s"] / r["output_tok_s"], 3)
                         for r in report["results"][1:] if "output_tok_s" in r}
     if args.cold_start:
