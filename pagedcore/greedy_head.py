@@ -6,7 +6,9 @@ kernel (kernels/csrc/cpu_greedy_head.cpp) scores every token from int8 codes of 
 twice the fp32 rate through VNNI), bounds their error for any input, and computes exactly, as the fp32 panels do,
 only the logits the bound cannot rule out: the token is the full logits' argmax, bit for bit. AVX2 CPUs run the
 fp32 head's own port (cpu_greedy_head_avx2.cpp: vpmaddwd on the codes widened to int16; AMD Zen 3, bundled model:
-one row 2.48 -> 0.48 ms, 64 rows 22.2 -> 15.0 ms for the LM head and its argmax). What it costs:
+one row 2.48 -> 0.48 ms, 64 rows 22.2 -> 15.0 ms for the LM head and its argmax), and there a bf16 head in plain
+panels too: codes of its values widened, the candidates' logits rounded to bf16 as its panels store them (one row
+~1.9 -> ~0.5 ms), their source a bf16 copy of the head by rows (56 MB on the bundled model). What it costs:
 such requests report no cumulative logprob (`SamplingParams.argmax_only`; vLLM v1's contract); logprobs=0 asks
 for it.
 A bf16 head in VNNI pairs (vnni_layout.py), where the AVX512-BF16 tiles run it, has its own kernel: uint8 x
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 from pagedcore import vnni_layout
+from pagedcore.packed_linear import BF16_SLOTS
 
 PANEL = 16
 # x's dims the bf16 head keeps out of its uint8 codes (the largest |x|: LLMs' massive activations). On the bundled
@@ -48,9 +51,14 @@ class GreedyHead:
         self.colsum = None
         self.dims = self.wo = None  # the bf16 head's outlier dims and their weights, kept while they stay the largest
         self._dim_set: set[int] = set()
-        if self.dtype == torch.bfloat16:  # VNNI pairs: the exact logits read a copy of their values by rows
+        self.panels = panels  # the codes' source: a head re-pointed since (fused_projections) takes the logits path
+        if self.dtype == torch.bfloat16 and not vnni_layout.is_packed(panels):  # plain panels (AVX2): bf16 rows
+            self.weight = panels[:, :, list(BF16_SLOTS)].permute(0, 2, 1).reshape(-1, panels.shape[1])[:vocab_size]
+            self.weight = self.weight.contiguous()
+            self.codes, self.stats = ext.greedy_head_pack(self.weight.float())
+            head._pagedcore_rows = (panels, self.weight)  # a tied input embedding's rows, as for VNNI pairs
+        elif self.dtype == torch.bfloat16:  # VNNI pairs: the exact logits read a copy of their values by rows
             self.codes, self.stats, self.colsum = ext.greedy_head_pack_bf16(panels, vocab_size)
-            self.panels = panels
             count, pairs = panels.shape[:2]  # [P, K / 2, 16 columns x 2] -> [V, K] (vnni_layout.rows, as one copy)
             self.weight = panels.view(count, pairs, PANEL, 2).permute(0, 2, 1, 3).reshape(-1, 2 * pairs)[:vocab_size]
             self.weight = self.weight.contiguous()
@@ -67,16 +75,21 @@ class GreedyHead:
 
     @classmethod
     def build(cls, ext, model: nn.Module) -> "GreedyHead | None":
-        """For an LM head without bias in fp32 panels or bf16 VNNI pairs, where its kernel runs; else None."""
+        """For an LM head without bias in fp32 panels, bf16 panels (AVX2) or bf16 VNNI pairs, where its kernel runs;
+        else None."""
         head = getattr(model, "lm_head", None)
         panels = getattr(head, "_pagedcore_packed", None)
         if ext is None or not ext.greedy_head_supported() or panels is None or getattr(head, "bias", None) is not None:
             return None
         vocab = head.out_features
-        if panels.dtype == torch.bfloat16:
-            if not (vnni_layout.is_packed(panels) and ext.greedy_head_bf16_supported()):
+        if panels.dtype == torch.bfloat16 and vnni_layout.is_packed(panels):
+            if not ext.greedy_head_bf16_supported():
                 return None
             depth = 2 * panels.shape[1]
+        elif panels.dtype == torch.bfloat16 and panels.dim() == 3 and panels.shape[2] == PANEL:
+            if not ext.greedy_head_bf16_panels_supported():
+                return None
+            depth = panels.shape[1]
         elif panels.dtype == torch.float32 and panels.dim() == 3 and panels.shape[2] == PANEL:
             depth = panels.shape[1]
         else:
@@ -91,14 +104,14 @@ class GreedyHead:
         a logit the bound kept) is not finite: the caller then computes the logits."""
         if self.head.__dict__.get("forward") is not self.forward or hidden.dtype != self.dtype:
             return None
+        if self.head.__dict__.get("_pagedcore_packed") is not self.panels:  # re-pointed since
+            return None
         if self.colsum is not None:
-            if self.head.__dict__.get("_pagedcore_packed") is not self.panels:  # re-pointed since
-                return None
             self._track_outliers(hidden)
             tokens, exact = self.ext.greedy_head_bf16(hidden, self.codes, self.stats, self.colsum, self.weight,
                                                       self.dims, self.wo)
-        else:
-            tokens, exact = self.ext.greedy_head(hidden, self.codes, self.stats, self.weight)
+        else:  # bf16 rows: x widened, exactly
+            tokens, exact = self.ext.greedy_head(hidden.float(), self.codes, self.stats, self.weight)
         if bool((tokens < 0).any()):
             return None
         self.rows += len(tokens)

@@ -1,7 +1,7 @@
 """The greedy head (pagedcore/greedy_head.py, kernels/csrc/cpu_greedy_head.cpp): the argmax of the LM head from int8
 codes and a few exact logits must be the full logits' argmax (pack_linear_weight's fp32 panels, or the bf16 VNNI
-pairs' logits rounded to bf16; argmax_logsumexp's lowest index on ties), bit for bit, whatever the input; and the
-engine's greedy tokens must not change with it."""
+pairs' or bf16 panels' logits rounded to bf16; argmax_logsumexp's lowest index on ties), bit for bit, whatever the
+input; and the engine's greedy tokens must not change with it."""
 
 from __future__ import annotations
 
@@ -143,6 +143,59 @@ def test_bf16_a_row_that_is_not_finite_is_left_to_the_caller():
     x = torch.randn(3, 64, generator=g)
     x[1, 5] = float("inf")
     tokens, _, want = greedy_bf16(x, torch.randn(500, 64, generator=g))
+    assert tokens[1] == -1 and tokens[0] == want[0] and tokens[2] == want[2]
+
+
+# ---- bf16 heads in plain panels (AVX2: the same fp32 chain over the widened values, logits rounded to bf16) ------
+needs_bf16_panels = pytest.mark.skipif(not ext.greedy_head_bf16_panels_supported(),
+                                       reason="bf16 rows go to the AVX2 kernel (CPUs without AVX-512)")
+
+
+def greedy_bf16_panels(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = weight.bfloat16()
+    codes, stats = ext.greedy_head_pack(rows.float())
+    tokens, exact = ext.greedy_head(x.bfloat16().float(), codes, stats, rows)
+    return tokens, exact, full_argmax(x.bfloat16(), ext.pack_linear_weight(rows), weight.shape[0])
+
+
+@needs_bf16_panels
+@pytest.mark.parametrize("vocab,k,rows", [(1000, 64, 1), (1000, 64, 13), (4099, 576, 7), (333, 63, 6), (16, 2, 3)])
+def test_bf16_panels_equal_the_full_logits_argmax(vocab, k, rows):
+    g = torch.Generator().manual_seed(vocab + k + rows)
+    tokens, exact, want = greedy_bf16_panels(torch.randn(rows, k, generator=g) * 3,
+                                             torch.randn(vocab, k, generator=g) * 0.1)
+    assert torch.equal(tokens, want)
+    assert bool((exact >= 1).all()) and bool((exact <= vocab).all())
+
+
+@needs_bf16_panels
+def test_bf16_panels_ties_after_rounding_and_the_last_column():
+    """Logits that differ below a bf16 ulp tie once rounded: the lowest index wins; the winner may be the last
+    column, whose weights are gathered one by one (a vector gather would read past the rows)."""
+    g = torch.Generator().manual_seed(5)
+    k, vocab = 576, 2048
+    weight = (torch.randn(vocab, k, generator=g) * 0.05).bfloat16().float()
+    x = torch.randn(16, k, generator=g)
+    best = full_argmax(x.bfloat16(), ext.pack_linear_weight(weight.bfloat16()), vocab)
+    for r, j in enumerate(best.tolist()):  # copies of each row's winner, some after a 1-ulp nudge of one weight
+        for c in range(4):
+            other = vocab - 1 if (r, c) == (0, 0) else (j + 97 * (r + 1) * (c + 1)) % vocab
+            weight[other] = weight[j]
+            if c % 2:
+                weight[other, (r * 31 + c) % k] = weight[other, (r * 31 + c) % k].bfloat16().float() * (1 + 2**-7)
+    weight[vocab - 1] *= 1.5  # row 0's copy in the last column now leads it by far
+    tokens, exact, want = greedy_bf16_panels(x, weight)
+    assert torch.equal(tokens, want) and int(tokens[0]) == vocab - 1
+    ties = [r for r in range(1, 16) if int(exact[r]) > 1]
+    assert ties, "no row had a tie to break"
+
+
+@needs_bf16_panels
+def test_bf16_panels_a_row_that_is_not_finite_is_left_to_the_caller():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 64, generator=g)
+    x[1, 5] = float("inf")
+    tokens, _, want = greedy_bf16_panels(x, torch.randn(500, 64, generator=g))
     assert tokens[1] == -1 and tokens[0] == want[0] and tokens[2] == want[2]
 
 

@@ -183,12 +183,14 @@ def test_panel_lookup_equals_the_embedding(ext, dtype):
 
 
 def test_panel_lookup_reads_the_greedy_heads_row_copy(ext):
-    """Where the bf16 greedy head keeps a row copy of the pairs, a tied embedding looks its rows up there (the same
-    values); once the head's weight is re-packed the copy is not that weight's any more and the pairs serve."""
+    """Where the bf16 greedy head keeps a row copy of the pairs (or of the plain panels, on AVX2), a tied embedding
+    looks its rows up there (the same values); once the head's weight is re-packed the copy is not that weight's any
+    more and the panels serve."""
     from pagedcore.greedy_head import GreedyHead
 
-    if not (vnni_layout.enabled(ext) and ext.greedy_head_bf16_supported()):
-        pytest.skip("the bf16 greedy head runs on AVX512-BF16 CPUs without AMX")
+    vnni = vnni_layout.enabled(ext)
+    if not (ext.greedy_head_bf16_supported() if vnni else ext.greedy_head_bf16_panels_supported()):
+        pytest.skip("the bf16 greedy head runs on AVX512-BF16 CPUs without AMX, or AVX2 CPUs")
     torch.manual_seed(0)
     model = torch.nn.Module()
     model.embed = torch.nn.Embedding(40, 64, dtype=torch.bfloat16)

@@ -33,8 +33,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_head_pack", &greedy_head_pack, "fp32 W [V, K] -> (int8 codes [ceil(V/16), ceil(K/2), 32], stats [4, V])");
   m.def("greedy_head", &greedy_head,
         "per row of x: (argmax of x W^T as pack_linear_weight's fp32 panels of W [V, K] give it, or -1 where x or "
-        "a candidate logit is not finite; how many logits were computed exactly, from W's rows)",
+        "a candidate logit is not finite; how many logits were computed exactly, from W's rows); bf16 rows W: as "
+        "its bf16 panels give it, the logits rounded to bf16 (greedy_head_bf16_panels_supported)",
         py::arg("x"), py::arg("codes"), py::arg("stats"), py::arg("weight"));
+  m.def("greedy_head_bf16_panels_supported", &greedy_head_bf16_panels_supported,
+        "whether greedy_head takes bf16 rows (a bf16 head in plain panels: AVX2 without AVX-512)");
   m.def("greedy_head_bf16_supported", &greedy_head_bf16_supported,
         "whether greedy_head_bf16 runs here (AVX-512 BW, VNNI and BF16, no AMX)");
   m.def("greedy_head_pack_bf16", &greedy_head_pack_bf16,

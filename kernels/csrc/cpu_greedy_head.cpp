@@ -183,14 +183,6 @@ void exact16_bf16(const c10::BFloat16* x, int64_t K, const c10::BFloat16* rows, 
 }
 #endif
 
-// Where a candidate must reach to matter against the largest lower bound L: L itself for fp32 logits; for logits
-// rounded to bf16, 2 bf16 ulps below it (any logit below that rounds below what the largest rounds to).
-template <bool BF16>
-inline float edge(float L) {
-  if constexpr (BF16) return L - std::fabs(L) * (1.f / 64) - 1e-30f;
-  return L;
-}
-
 // 16 fp32 -> bf16 bits, nearest even (the hi buffer's rounding: its input is raised first to make it an upper bound).
 inline __m256i bf16_bits(__m512 v) {
 #ifdef PC_GREEDY_HEAD_BF16
@@ -316,6 +308,14 @@ bool greedy_head_supported() {
 #endif
 }
 
+bool greedy_head_bf16_panels_supported() {
+#ifdef PC_GREEDY_HEAD_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool greedy_head_bf16_supported() {
 #ifdef PC_GREEDY_HEAD_BF16
   return !vnni_amx();  // AMX machines run the head on tiles whose sums this kernel does not reproduce
@@ -390,8 +390,10 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_head(torch::Tensor x, torch::Ten
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: fp32 [B, K]");
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.size(2) == 2 * NR,
               "codes: greedy_head_pack's");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
-              "weight: fp32 [V, K] rows, the values of the panels the logits would come from");
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || bf16) && weight.is_contiguous(),
+              "weight: fp32 (or bf16) [V, K] rows, the values of the panels the logits would come from");
+  TORCH_CHECK(!bf16 || greedy_head_bf16_panels_supported(), "greedy_head: bf16 rows need the AVX2 kernel");
   const auto xc = x.contiguous();
   const int64_t B = xc.size(0), K = xc.size(1), V = stats.size(-1), P = codes.size(0), K2 = codes.size(1);
   check_stats(stats, V);
@@ -411,9 +413,13 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_head(torch::Tensor x, torch::Ten
                      tokens.data_ptr<int64_t>(), counts.data_ptr<int32_t>());
 #elif defined(PC_GREEDY_HEAD_AVX2)
   const float* px = xc.data_ptr<float>();
-  argmax_rows_avx2(quantize_rows(px, B, K, false, nullptr, 0), px, B, K, V, P, codes.data_ptr<int8_t>(),
-                   stats.data_ptr<float>(), weight.data_ptr<float>(), tokens.data_ptr<int64_t>(),
-                   counts.data_ptr<int32_t>());
+  const RowCodes rc = quantize_rows(px, B, K, false, nullptr, 0);
+  if (bf16)
+    argmax_rows_avx2(rc, px, B, K, V, P, codes.data_ptr<int8_t>(), stats.data_ptr<float>(),
+                     weight.data_ptr<c10::BFloat16>(), tokens.data_ptr<int64_t>(), counts.data_ptr<int32_t>());
+  else
+    argmax_rows_avx2(rc, px, B, K, V, P, codes.data_ptr<int8_t>(), stats.data_ptr<float>(), weight.data_ptr<float>(),
+                     tokens.data_ptr<int64_t>(), counts.data_ptr<int32_t>());
 #endif
   return {tokens, counts};
 }

@@ -3,6 +3,11 @@
 // instruction, a quarter of the fp32 panels' bytes), the same bound, and the candidates' logits as the AVX2 fp32
 // panels give them: cpu_gemm.cpp's tiles run one FMA chain per output, z = fma(x_k, w_k, z) from +0 over k in order,
 // at every row count, so gathering a column's weights from the head's rows [V, K] and chaining them so is bit for bit.
+// bf16 heads in plain panels (where no AVX512-BF16 makes them VNNI pairs) take the same path: their tiles widen x and
+// the weights to fp32 exactly and run the same chain, then store the logits rounded to bf16 (nearest even). So the
+// codes and bounds are those of the widened weights; the candidates reach down to 2 bf16 ulps below the largest lower
+// bound (edge<true>, as the VNNI head's), and their exact logits, gathered from the bf16 rows, are rounded before the
+// argmax. Bundled model, bf16, Zen 3, one decode row: the full logits and their argmax ~1.9 ms, this ~0.5 ms.
 #include "greedy_head_codes.h"
 
 #ifdef PC_GREEDY_HEAD_AVX2
@@ -10,6 +15,7 @@
 #include <omp.h>
 
 #include <limits>
+#include <type_traits>
 
 namespace greedy_codes {
 namespace {
@@ -73,10 +79,17 @@ inline __m128i bf16_bits(__m256 v) {
   return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
-// The exact logits of up to 16 columns cols[0, n) for one row, each the fp32 panels' chain (two chains of 8 side by
-// side where n > 8, to hide the FMA latency), its weights gathered from the rows [V, K].
-template <bool TWO>
-void exact16(const float* x, int64_t K, const float* rows, const int32_t* cols, int64_t n, float* out) {
+// 8 weights at element offsets idx of the rows, as fp32. A bf16 gather reads 4 bytes at each (the element, then the
+// next one's 2 bytes, shifted out): the caller keeps the array's very last element out of it.
+inline __m256 gather8(const float* rows, __m256i idx) { return _mm256_i32gather_ps(rows, idx, 4); }
+inline __m256 gather8(const c10::BFloat16* rows, __m256i idx) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_i32gather_epi32(reinterpret_cast<const int*>(rows), idx, 2), 16));
+}
+
+// The exact logits of up to 16 columns cols[0, n) for one row, each the panels' chain (two chains of 8 side by side
+// where n > 8, to hide the FMA latency), its weights gathered from the rows [V, K].
+template <bool TWO, typename W>
+void exact16(const float* x, int64_t K, const W* rows, const int32_t* cols, int64_t n, float* out) {
   alignas(32) int32_t base[16];
   for (int64_t i = 0; i < 16; ++i) base[i] = int32_t(cols[std::min<int64_t>(i, n - 1)] * K);
   __m256i i0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(base));
@@ -85,15 +98,42 @@ void exact16(const float* x, int64_t K, const float* rows, const int32_t* cols, 
   __m256 z0 = _mm256_setzero_ps(), z1 = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const __m256 xv = _mm256_set1_ps(x[k]);
-    z0 = _mm256_fmadd_ps(xv, _mm256_i32gather_ps(rows, i0, 4), z0);
+    z0 = _mm256_fmadd_ps(xv, gather8(rows, i0), z0);
     i0 = _mm256_add_epi32(i0, one);
     if constexpr (TWO) {
-      z1 = _mm256_fmadd_ps(xv, _mm256_i32gather_ps(rows, i1, 4), z1);
+      z1 = _mm256_fmadd_ps(xv, gather8(rows, i1), z1);
       i1 = _mm256_add_epi32(i1, one);
     }
   }
   _mm256_store_ps(out, z0);
   _mm256_store_ps(out + 8, z1);
+}
+
+// The same chain one column at a time (std::fma rounds as the vector FMA does): a bf16 head's last column, whose
+// gather would read past the rows.
+inline float exact1(const float* x, int64_t K, const c10::BFloat16* row) {
+  float z = 0.f;
+  for (int64_t k = 0; k < K; ++k) z = std::fma(x[k], static_cast<float>(row[k]), z);
+  return z;
+}
+
+// Candidates' exact logits as the panels store them: fp32, or rounded to bf16 (nearest even).
+inline void exact_logits(const float* x, int64_t K, int64_t V, const float* rows, const int32_t* cols, int64_t n,
+                         float* out) {
+  if (n > 8)
+    exact16<true>(x, K, rows, cols, n, out);
+  else
+    exact16<false>(x, K, rows, cols, n, out);
+}
+inline void exact_logits(const float* x, int64_t K, int64_t V, const c10::BFloat16* rows, const int32_t* cols,
+                         int64_t n, float* out) {
+  const int64_t vec = cols[n - 1] == V - 1 ? n - 1 : n;  // cols ascend: only the last can be column V - 1
+  if (vec > 8)
+    exact16<true>(x, K, rows, cols, vec, out);
+  else if (vec > 0)
+    exact16<false>(x, K, rows, cols, vec, out);
+  if (vec < n) out[n - 1] = exact1(x, K, rows + (V - 1) * K);
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(c10::BFloat16(out[i]));
 }
 
 // Pass 1's bounds for one row's 16 columns of panel p (acc: its two halves): the lower bounds' running max (low),
@@ -129,8 +169,9 @@ inline float hmax(__m256 v) {
 }
 }  // namespace
 
+template <typename W>
 void argmax_rows_avx2(const RowCodes& rc, const float* x, int64_t B, int64_t K, int64_t V, int64_t P,
-                      const int8_t* codes, const float* st, const float* weight, int64_t* ptok, int32_t* pcnt) {
+                      const int8_t* codes, const float* st, const W* weight, int64_t* ptok, int32_t* pcnt) {
   const float gamma = float(1.01 * (K + 2) * UNIT / (1 - (K + 2) * UNIT));
   const int64_t ps = rc.per_row * 2 * NR, VP = P * NR;  // bytes of codes a panel; hi's row stride
   const int nth = std::max<int>(1, std::min<int>(at::get_num_threads(), int(P)));
@@ -163,7 +204,7 @@ void argmax_rows_avx2(const RowCodes& rc, const float* x, int64_t B, int64_t K, 
       if (!rc.ok[r]) continue;
       __m256 lv = lower[r];
       for (int i = 1; i < nth; ++i) lv = _mm256_max_ps(lv, lower[i * B + r]);
-      const __m256 L = _mm256_set1_ps(hmax(lv));
+      const __m256 L = _mm256_set1_ps(edge<std::is_same_v<W, c10::BFloat16>>(hmax(lv)));
       cand.clear();
       for (int64_t j = 0; j < V; j += 8) {
         const __m128i h16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(hb + r * VP + j));
@@ -174,13 +215,15 @@ void argmax_rows_avx2(const RowCodes& rc, const float* x, int64_t B, int64_t K, 
       }
       pcnt[r] = int32_t(cand.size());
       ptok[r] = first_largest(cand.data(), int64_t(cand.size()), [&](const int32_t* cols, int64_t n, float* out) {
-        if (n > 8)
-          exact16<true>(x + r * K, K, weight, cols, n, out);
-        else
-          exact16<false>(x + r * K, K, weight, cols, n, out);
+        exact_logits(x + r * K, K, V, weight, cols, n, out);
       });
     }
   });
 }
+
+template void argmax_rows_avx2<float>(const RowCodes&, const float*, int64_t, int64_t, int64_t, int64_t, const int8_t*,
+                                      const float*, const float*, int64_t*, int32_t*);
+template void argmax_rows_avx2<c10::BFloat16>(const RowCodes&, const float*, int64_t, int64_t, int64_t, int64_t,
+                                              const int8_t*, const float*, const c10::BFloat16*, int64_t*, int32_t*);
 }  // namespace greedy_codes
 #endif

@@ -15,7 +15,7 @@
 #define PC_GREEDY_HEAD_BF16 1
 #endif
 #elif defined(__AVX2__) && defined(__FMA__)
-#define PC_GREEDY_HEAD_AVX2 1  // the fp32 head only (bf16 heads run on AVX512-BF16 tiles)
+#define PC_GREEDY_HEAD_AVX2 1  // the fp32 head, and bf16 heads in plain panels (VNNI pairs need AVX512-BF16)
 #endif
 
 namespace greedy_codes {
@@ -120,6 +120,14 @@ RowCodes quantize_rows(const X* px, int64_t B, int64_t K, bool u8, const int32_t
   return rc;
 }
 
+// Where a candidate must reach to matter against the largest lower bound L: L itself for fp32 logits; for logits
+// rounded to bf16, 2 bf16 ulps below it (any logit below that rounds below what the largest rounds to).
+template <bool BF16>
+inline float edge(float L) {
+  if constexpr (BF16) return L - std::fabs(L) * (1.f / 64) - 1e-30f;
+  return L;
+}
+
 // The first of the largest exact logits of the candidates cand[0, count) (in index order: ties keep the lowest,
 // argmax_logsumexp's rule), exact(cols, n, out) giving up to NR of them at a time; -1 if there are none or one is
 // not finite (the caller then computes the row's logits).
@@ -141,9 +149,12 @@ int64_t first_largest(const int32_t* cand, int64_t count, Exact exact) {
 }
 
 #ifdef PC_GREEDY_HEAD_AVX2
-// The fp32 head's argmax per row of rc (ptok; -1 where not finite) and its count of exact logits (pcnt), from the
-// codes [P, K / 2, 32] and stats of greedy_head_pack and the weight's rows [V, K] (x: fp32 [B, K]).
+// The head's argmax per row of rc (ptok; -1 where not finite) and its count of exact logits (pcnt), from the
+// codes [P, K / 2, 32] and stats of greedy_head_pack and the weight's rows [V, K] (x: fp32 [B, K]): fp32 rows for
+// fp32 panels' logits; bf16 rows for bf16 panels', which the GEMM stores rounded to bf16 (the same fp32 chain over
+// the widened values, then nearest even).
+template <typename W>
 void argmax_rows_avx2(const RowCodes& rc, const float* x, int64_t B, int64_t K, int64_t V, int64_t P,
-                      const int8_t* codes, const float* stats, const float* weight, int64_t* ptok, int32_t* pcnt);
+                      const int8_t* codes, const float* stats, const W* weight, int64_t* ptok, int32_t* pcnt);
 #endif
 }  // namespace greedy_codes

@@ -82,6 +82,8 @@ bool greedy_head_supported();
 std::vector<torch::Tensor> greedy_head_pack(torch::Tensor weight);
 std::tuple<torch::Tensor, torch::Tensor> greedy_head(torch::Tensor x, torch::Tensor codes, torch::Tensor stats,
                                                      torch::Tensor weight);
+// greedy_head's weight rows may be bf16 (a bf16 head in plain panels, whose logits are stored rounded to bf16)
+bool greedy_head_bf16_panels_supported();
 // The same for a bf16 head in VNNI pairs, as the AVX512-BF16 tiles give its logits (rounded to bf16)
 bool greedy_head_bf16_supported();
 std::vector<torch::Tensor> greedy_head_pack_bf16(torch::Tensor panels, int64_t vocab);
