@@ -29,10 +29,12 @@ from pagedcore import vnni_layout
 from pagedcore.packed_linear import BF16_SLOTS
 
 PANEL = 16
-# x's dims the bf16 head keeps out of its uint8 codes (the largest |x|: LLMs' massive activations). On the bundled
-# model's final hidden states (one dim ~40, the median ~0.4) 16 left ~60-190 candidate logits a row, 4 left ~750,
-# none half the vocabulary; 32 left ~45 but their fp32 sums cost more than the candidates they saved.
-OUTLIER_DIMS = 16
+# x's dims the bf16 head keeps out of its uint8 codes (the largest |x|: LLMs' massive activations), summed exactly two
+# dims a vdpbf16ps. On the bundled model's final hidden states (one dim ~40, the median ~0.4), 64 decode rows of the
+# bench's random prompts (Zen 4): 16 left ~410 candidate logits a row (8.2-8.7 ms), 24 ~175, 32 ~140 (7.1-7.6 ms
+# with fp32 sums, which cost one and eight rows more: the pairs keep 32 dims at 16's cost), 64 ~90; 4 left ~750,
+# none half the vocabulary.
+OUTLIER_DIMS = 32
 
 
 @dataclass

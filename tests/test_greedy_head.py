@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagedcore import LLMEngine, SamplingParams
+from pagedcore.greedy_head import OUTLIER_DIMS
 from pagedcore.kernels import cpu_ext
 
 ext = cpu_ext.load()
@@ -98,10 +99,11 @@ needs_bf16 = pytest.mark.skipif(not ext.greedy_head_bf16_supported(),
                                 reason="the bf16 greedy head needs AVX512-BF16 without AMX")
 
 
-def greedy_bf16(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def greedy_bf16(x: torch.Tensor, weight: torch.Tensor,
+                n_dims: int = OUTLIER_DIMS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     panels = ext.pack_linear_weight_vnni(weight.bfloat16())
     codes, stats, colsum = ext.greedy_head_pack_bf16(panels, weight.shape[0])
-    dims = x.abs().amax(0).float().topk(min(16, x.shape[1])).indices.to(torch.int32)  # GreedyHead's outlier dims
+    dims = x.abs().amax(0).float().topk(min(n_dims, x.shape[1])).indices.to(torch.int32)  # GreedyHead's outlier dims
     wo = ext.greedy_head_outliers(panels, dims)
     tokens, exact = ext.greedy_head_bf16(x.bfloat16(), codes, stats, colsum, weight.bfloat16(), dims, wo)
     return tokens, exact, full_argmax(x.bfloat16(), panels, weight.shape[0])
@@ -135,6 +137,34 @@ def test_bf16_ties_after_rounding_and_outliers():
     tokens, exact, want = greedy_bf16(x, weight)
     assert torch.equal(tokens, want)
     assert int(exact.min()) >= 1
+
+
+@needs_bf16
+@pytest.mark.parametrize("n_dims", [0, 1, 5, 16, 31])
+def test_bf16_any_count_of_outlier_dims(n_dims):
+    """The outlier dims go two to a vdpbf16ps: an odd count's last pairs with a zero; none leaves every dim coded."""
+    g = torch.Generator().manual_seed(n_dims)
+    k, vocab = 96, 1500
+    x = torch.randn(9, k, generator=g) * 2
+    x[:, [3, 50, 51, 90]] *= torch.tensor([60.0, -35.0, 20.0, 80.0])  # massive activations, as LLMs' final states have
+    tokens, exact, want = greedy_bf16(x, torch.randn(vocab, k, generator=g) * 0.1, n_dims)
+    assert torch.equal(tokens, want)
+    assert bool((exact >= 1).all())
+
+
+@needs_bf16
+def test_bf16_outlier_weights_in_pairs():
+    """greedy_head_outliers: dims 2i and 2i + 1 of the list side by side for each column, as x's pairs hold them."""
+    g = torch.Generator().manual_seed(6)
+    weight = torch.randn(40, 32, generator=g).bfloat16()  # 3 panels, the last one partial
+    dims = torch.tensor([30, 2, 17], dtype=torch.int32)
+    wo = ext.greedy_head_outliers(ext.pack_linear_weight_vnni(weight), dims)
+    assert wo.dtype == torch.bfloat16 and wo.shape == (3, 2, 32)
+    cols = torch.arange(3 * 16).clamp(max=39)
+    for i, d in enumerate(dims.tolist()):
+        got = wo[:, i // 2, i % 2::2].reshape(-1)[:40]
+        assert torch.equal(got, weight[cols[:40], d])
+    assert not bool(wo[:, 1, 1::2].any())  # the odd list's last dim paired with zeros
 
 
 @needs_bf16

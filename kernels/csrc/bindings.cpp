@@ -48,8 +48,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("codes"), py::arg("stats"), py::arg("colsum"), py::arg("rows"), py::arg("dims"),
         py::arg("wo"));
   m.def("greedy_head_outliers", &greedy_head_outliers,
-        "the weights of dims (int32 [n]) of bf16 VNNI panels [P, K / 2, 32], fp32 [P, n, 16]: greedy_head_bf16's "
-        "outlier dims, kept out of x's codes");
+        "the weights of dims (int32 [n]) of bf16 VNNI panels [P, K / 2, 32], in pairs of dims [P, ceil(n / 2), 32] "
+        "(an odd n's last paired with 0): greedy_head_bf16's outlier dims, kept out of x's codes");
   m.def("pack_linear_weight", &pack_linear_weight, "W [N, K] -> panels [ceil(N/16), K, 16], same dtype");
   m.def("packed_linear_silu_mul", &packed_linear_silu_mul,
         "silu(x @ W_gate^T) * (x @ W_up^T) over a fused [gate; up] packed weight, never writing the product",

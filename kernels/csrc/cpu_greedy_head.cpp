@@ -19,11 +19,14 @@
 // bf16 heads in the VNNI pair layout, where the AVX512-BF16 tiles run them (no AMX: vnni_silu_mul_runs), take the
 // same three steps at twice the rate: x as uint8 codes (t = max|x| / 127, stored + 128) against the int8 codes of
 // W with vpdpbusd (64 products per instruction; the + 128 taken back through each column's sum of codes), except
-// x's largest dims (greedy_head.py's OUTLIER_DIMS), whose part of a_j is summed in fp32 from their weights; the same
+// x's largest dims (greedy_head.py's OUTLIER_DIMS), whose part of a_j is summed in fp32 from their bf16 weights two dims
+// a vdpbf16ps; the same
 // bounds (with the coarser x codes' error and that sum's rounding); candidates widened to any logit that could round
 // to the same bf16 as the largest (2 bf16 ulps below L); their logits from the dp tile's chain (vdpbf16ps over the
 // pairs in order, from +0), rounded to bf16 as the GEMM stores them. Bundled model, bf16, 64 decode rows of the bench's
 // random prompts (~190 candidates a row): ~7.5 ms where the logits took ~9.6 and their argmax ~1.6; one row 0.9 / 1.7.
+// The candidates are those whose bound E (~2 logits wide there) cannot rule out: with 16 outlier dims ~410 a row at 64
+// rows, with 32 ~140, their exact logits ~1.3 -> ~0.45 ms (Zen 4); two dims a vdpbf16ps keep 32 dims at 16's cost.
 #include "greedy_head_codes.h"
 #include "ops.h"
 #include "zmm_tile.h"
@@ -199,13 +202,15 @@ inline __m256i bf16_bits(__m512 v) {
 // candidates cols[0, n) of row r, as the GEMM would store them.
 template <bool BF16, typename Exact>
 void argmax_rows(const RowCodes& rc, int64_t B, int64_t K, int64_t V, int64_t P, const int8_t* pc, int64_t ps,
-                 const float* st, const int32_t* colsum, const float* wo, Exact exact, int64_t* ptok,
+                 const float* st, const int32_t* colsum, const c10::BFloat16* wo, Exact exact, int64_t* ptok,
                  int32_t* pcnt) {
-  // The outlier dims' part of a_j in fp32 from their weights (wo: [P][no][16]): |O| FMAs, each rounding by at most u times the
-  // sum of |w_jk x_k| over O <= 127 s_j |x_O|_1 (1% over).
-  const int64_t no = int64_t(rc.dims.size());
+  // The outlier dims' part of a_j in fp32 from their bf16 weights in pairs (wo: [P][no2][16 x 2], x's pairs rc.xo):
+  // vdpbf16ps, its products exact, at most |O| roundings in all plus the one that adds it to a_j, each by at most u
+  // times the sum of |w_jk x_k| over O <= 127 s_j |x_O|_1; taken twice (however the instruction rounds its pair) and
+  // 1% over. (Denormals it flushes move a sum by < 2^-126 |x|: inside E's absolute 1e-6.)
+  const int64_t no = int64_t(rc.dims.size()), no2 = (no + 1) / 2;
   std::vector<float> ob(B);
-  for (int64_t r = 0; r < B; ++r) ob[r] = float(1.01 * (no + 1) * UNIT * 127.0 * rc.xo1[r]);
+  for (int64_t r = 0; r < B; ++r) ob[r] = float(2.02 * (no + 1) * UNIT * 127.0 * rc.xo1[r]);
   // Pass 1, panels split over the threads (all rows per panel group): per row, the max of a_j - E_j (per thread), and
   // a_j + E_j of every token as a bf16 rounded up (hi [B, P * 16]: 6 MB at 64 rows). Keeping only the
   // tokens whose a_j + E_j reached the running max, as this once did, cost ~4 ms of branches and list growth at 64
@@ -247,10 +252,13 @@ void argmax_rows(const RowCodes& rc, int64_t B, int64_t K, int64_t V, int64_t P,
           const __m512i shift = BF16 ? _mm512_slli_epi32(_mm512_maskz_loadu_epi32(in, colsum + j), 7) : _mm512_setzero_si512();
           __m512 part[GR];
           for (int64_t r = 0; r < rows; ++r) part[r] = _mm512_setzero_ps();
-          for (int64_t i = 0; i < no; ++i) {  // the outlier dims
-            const __m512 wv = _mm512_loadu_ps(wo + ((p + q) * no + i) * NR);
-            for (int64_t r = 0; r < rows; ++r) part[r] = _mm512_fmadd_ps(_mm512_set1_ps(rc.xo[(r0 + r) * no + i]), wv, part[r]);
+#ifdef PC_GREEDY_HEAD_BF16
+          for (int64_t i = 0; i < no2; ++i) {  // the outlier dims, two a step
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(wo + ((p + q) * no2 + i) * 2 * NR);
+            for (int64_t r = 0; r < rows; ++r)
+              part[r] = _mm512_dpbf16_ps(part[r], (__m512bh)_mm512_set1_epi32(rc.xo[(r0 + r) * no2 + i]), wv);
           }
+#endif
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t row = r0 + r;
             const __m512i dot = _mm512_sub_epi32(acc[r * GP + q], shift);  // exact: |dot| < 2^24
@@ -432,14 +440,15 @@ torch::Tensor greedy_head_outliers(torch::Tensor panels, torch::Tensor dims) {
   const int64_t P = panels.size(0), K2 = panels.size(1), no = dims.numel();
   const int32_t* pd = dims.data_ptr<int32_t>();
   for (int64_t i = 0; i < no; ++i) TORCH_CHECK(0 <= pd[i] && pd[i] < 2 * K2, "dims: within K");
-  auto wo = torch::empty({P, no, NR}, panels.options().dtype(at::kFloat));
+  const int64_t no2 = (no + 1) / 2;
+  auto wo = torch::zeros({P, no2, 2 * NR}, panels.options());  // an odd list's last pair: its second weight 0
   const auto* pw = panels.data_ptr<c10::BFloat16>();
-  float* po = wo.data_ptr<float>();
+  auto* po = wo.data_ptr<c10::BFloat16>();
   at::parallel_for(0, P, 64, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t i = 0; i < no; ++i) {  // dim k: the even / odd half of each column's pair k / 2
         const c10::BFloat16* pair = pw + (p * K2 + pd[i] / 2) * 2 * NR;
-        for (int64_t c = 0; c < NR; ++c) po[(p * no + i) * NR + c] = float(pair[2 * c + pd[i] % 2]);
+        for (int64_t c = 0; c < NR; ++c) po[((p * no2 + i / 2) * NR + c) * 2 + i % 2] = pair[2 * c + pd[i] % 2];
       }
   });
   return wo;
@@ -458,8 +467,9 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_head_bf16(torch::Tensor x, torch
   const int64_t B = xc.size(0), K = xc.size(1), V = stats.size(-1), P = codes.size(0), K4 = codes.size(1);
   check_stats(stats, V);
   TORCH_CHECK(colsum.scalar_type() == at::kInt && colsum.is_contiguous() && colsum.numel() == V, "colsum: the pack's");
-  TORCH_CHECK(dims.dim() == 1 && dims.scalar_type() == at::kInt && dims.is_contiguous() && wo.scalar_type() == at::kFloat &&
-                  wo.is_contiguous() && wo.dim() == 3 && wo.size(0) == P && wo.size(1) == dims.numel() && wo.size(2) == NR,
+  TORCH_CHECK(dims.dim() == 1 && dims.scalar_type() == at::kInt && dims.is_contiguous() &&
+                  wo.scalar_type() == at::kBFloat16 && wo.is_contiguous() && wo.dim() == 3 && wo.size(0) == P &&
+                  wo.size(1) == (dims.numel() + 1) / 2 && wo.size(2) == 2 * NR,
               "dims, wo: greedy_head_outliers' dims and weights");
   for (int64_t i = 0; i < dims.numel(); ++i)
     TORCH_CHECK(0 <= dims.data_ptr<int32_t>()[i] && dims.data_ptr<int32_t>()[i] < K, "dims: within K");
@@ -473,7 +483,7 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_head_bf16(torch::Tensor x, torch
   const auto* pr = rows.data_ptr<c10::BFloat16>();
   const RowCodes rc = quantize_rows(px, B, K, true, dims.data_ptr<int32_t>(), dims.numel());
   argmax_rows<true>(rc, B, K, V, P, codes.data_ptr<int8_t>(), K4 * 4 * NR, stats.data_ptr<float>(),
-                    colsum.data_ptr<int32_t>(), wo.data_ptr<float>(),
+                    colsum.data_ptr<int32_t>(), wo.data_ptr<c10::BFloat16>(),
                     [&](int64_t r, const int32_t* cols, int64_t n, float* out) {
                       exact16_bf16(px + r * K, K, pr, V, cols, n, out);
                     },

@@ -67,15 +67,17 @@ bool pack_row(Get w, Put put, int64_t K, int64_t j, int64_t V, float* ps, int32_
 // x's codes (int16 pairs, or uint8 quads stored + 128) and what the bounds need of each row: the scale t, |x|_1,
 // max|x| and the codes' max error. A row that is not finite is marked and keeps token -1. With `outliers`, the
 // dims with the largest |x| over the rows (LLMs' massive activations: one dim of the bundled model's final hidden
-// states is ~40 where the median is ~0.4) are left out of the codes (code 0) and kept as they are (xo): coded, they
-// set t for every dim, and uint8 codes then bounded half the vocabulary into the candidates.
+// states is ~40 where the median is ~0.4) are left out of the codes (code 0) and kept as they are, in bf16 pairs (xo:
+// dims 2i and 2i + 1 of the list in one word, an odd list's last paired with 0): coded, they set t for every dim, and
+// uint8 codes then bounded half the vocabulary into the candidates.
 struct RowCodes {
   std::vector<int32_t> words;  // per row: `per_row` 32-bit words
   int64_t per_row = 0;
   std::vector<float> t, x1, xinf, xerr;
   std::vector<char> ok;
   std::vector<int32_t> dims;  // the outlier dims
-  std::vector<float> xo, xo1;  // per row: x at those dims, and sum of their |x|
+  std::vector<int32_t> xo;  // per row: x at those dims as bf16 pairs (ceil(n / 2) words)
+  std::vector<float> xo1;   // per row: the sum of their |x|
 };
 
 template <typename X>
@@ -88,7 +90,8 @@ RowCodes quantize_rows(const X* px, int64_t B, int64_t K, bool u8, const int32_t
   std::vector<char> out(K, 0);
   for (int32_t k : rc.dims) out[k] = 1;
   const int64_t no = int64_t(rc.dims.size());
-  rc.xo.assign(B * no, 0.f), rc.xo1.assign(B, 0.f);
+  const int64_t no2 = (no + 1) / 2;
+  rc.xo.assign(B * no2, 0), rc.xo1.assign(B, 0.f);
   const double xmax = u8 ? XMAX8 : XMAX;
   for (int64_t r = 0; r < B; ++r) {
     const X* row = px + r * K;
@@ -100,7 +103,10 @@ RowCodes quantize_rows(const X* px, int64_t B, int64_t K, bool u8, const int32_t
       else a1 += v, am = std::max(am, v);
     }
     rc.ok[r] = finite_bits(all);
-    for (int64_t i = 0; i < no; ++i) rc.xo[r * no + i] = float(row[rc.dims[i]]);
+    for (int64_t i = 0; i < no; ++i) {  // bf16 x as it is (an fp32 x is only ever coded without outliers)
+      const uint32_t bits = c10::BFloat16(float(row[rc.dims[i]])).x;
+      rc.xo[r * no2 + i / 2] |= int32_t(bits << (16 * (i % 2)));
+    }
     rc.xo1[r] = float(o1 * (1 + 1e-6));
     const float tr = am > 0.0 ? float(am / xmax) : 1.f;
     rc.t[r] = tr, rc.x1[r] = float(a1 * (1 + 1e-6)), rc.xinf[r] = float(mall);
