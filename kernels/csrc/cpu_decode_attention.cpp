@@ -102,7 +102,7 @@ void run_items(const DecodeAttention& a, int64_t begin, int64_t end) {
 #endif
   std::vector<float> q(hq * d), acc(hq * d), scores, ml(2 * hq);
   [[maybe_unused]] std::vector<c10::BFloat16> wb;  // pv_dp's bf16 weights
-  std::vector<int64_t> off, soff;
+  std::vector<int64_t> off, soff, noff;
   for (int64_t it = begin; it < end; ++it) {
     const DecodeItem& item = a.items[it];
     const int64_t count = item.p1 - item.p0;
@@ -143,8 +143,18 @@ void run_items(const DecodeAttention& a, int64_t begin, int64_t end) {
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         if (d == 64 || d == 128) {
-          if (d == 64) pv_dp<2>(sc, hkv, group, v_cache, off.data(), count, acc.data(), ml.data(), wb);
-          else pv_dp<4>(sc, hkv, group, v_cache, off.data(), count, acc.data(), ml.data(), wb);
+          int64_t ncount = 0;
+          if (it + 1 < end) {  // the next item's K rows, asked for into L2 during this PV
+            const DecodeItem& nx = a.items[it + 1];
+            ncount = nx.p1 - nx.p0;
+            if (int64_t(noff.size()) < ncount) noff.resize(ncount);
+            if (ncount > 0)
+              row_offsets(a.block_table + nx.seq * a.max_blocks, nx.p0, nx.p1, a.block_size, row_elems, a.block_stride,
+                          noff.data());
+          }
+          const int64_t rb = row_elems * 2;
+          if (d == 64) pv_dp<2>(sc, hkv, group, v_cache, off.data(), count, acc.data(), ml.data(), wb, k_cache, noff.data(), ncount, rb);
+          else pv_dp<4>(sc, hkv, group, v_cache, off.data(), count, acc.data(), ml.data(), wb, k_cache, noff.data(), ncount, rb);
           pv_ran = true;
         }
       }
