@@ -25,6 +25,22 @@ TIMEOUT = 60
 LONG = dict(temperature=0.0, max_tokens=None, ignore_eos=True, logprobs=0)
 
 
+class Pace:
+    """A logits processor that makes every step take at least `seconds`: the deadline tests' requests run
+    to the 512-token context in >= 2.5 s however fast the machine (CI once ran one to its end inside 0.4 s)."""
+
+    def __init__(self, seconds: float = 0.005):
+        self.seconds = seconds
+
+    @hookimpl
+    def pagedcore_logits_processors(self, config):
+        return [self.process]
+
+    def process(self, logits, seqs):
+        time.sleep(self.seconds)
+        return logits
+
+
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
@@ -173,7 +189,7 @@ def test_a_request_waiting_past_max_waiting_time_is_refused_as_overload(model):
 
 # ---- item 2: deadlines ---------------------------------------------------------------------------------------
 def test_a_request_past_its_timeout_is_aborted_with_its_blocks_freed(model):
-    aeng = AsyncLLMEngine(LLMEngine(model=model, **ENGINE))
+    aeng = AsyncLLMEngine(LLMEngine(model=model, plugins=[Pace()], **ENGINE))
 
     async def main():
         t0 = time.monotonic()
@@ -194,7 +210,7 @@ def test_a_request_past_its_timeout_is_aborted_with_its_blocks_freed(model):
 
 
 def test_request_timeout_setting_is_the_default_deadline_and_a_shorter_own_one_wins(model):
-    engine = LLMEngine(model=model, request_timeout=0.4, **ENGINE)
+    engine = LLMEngine(model=model, request_timeout=0.4, plugins=[Pace()], **ENGINE)
     engine.add_request("default", ids(8), SamplingParams(**LONG))
     engine.add_request("own", ids(8, start=300), SamplingParams(**LONG), timeout=0.1)
     engine.add_request("longer", ids(8, start=600), SamplingParams(**LONG), timeout=100)  # the setting caps it
