@@ -263,3 +263,21 @@ def test_cpu_write_kv_cache_matches_index_copy(ext, dtype):
     assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
     with pytest.raises(RuntimeError, match="out of range"):
         ext.write_kv_cache(key, value, caches[0], caches[1], slots + num_blocks * block_size)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_write_kv_cache_reads_strided_token_rows_in_place(ext, dtype):
+    """K/V as the fused q/k/v matmul gives them (column slices of one [T, q + k + v] output, tokens at its row
+    stride) land exactly as their contiguous copies do."""
+    g = torch.Generator().manual_seed(1)
+    num_blocks, block_size, hkv, d, T = 5, 8, 3, 64, 33
+    qkv = torch.randn(T, (9 + 2 * hkv) * d, generator=g).to(dtype)
+    key = qkv[:, 9 * d:(9 + hkv) * d].view(T, hkv, d)
+    value = qkv[:, (9 + hkv) * d:].view(T, hkv, d)
+    assert not key.is_contiguous() and key.stride(1) == d
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:T]
+    got = [torch.zeros(num_blocks, block_size, hkv, d, dtype=dtype) for _ in range(2)]
+    want = [c.clone() for c in got]
+    ext.write_kv_cache(key, value, got[0], got[1], slots)
+    ext.write_kv_cache(key.contiguous(), value.contiguous(), want[0], want[1], slots)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[0].abs().sum() > 0
