@@ -228,6 +228,9 @@ constexpr int64_t DMC = 96;  // rows of x per cache block (96 bf16 rows of K <= 
 #define DP_PANELS(X, r) X(r, 0) X(r, 1) X(r, 2) X(r, 3)
 #define DP_ROWS_PANELS(X) DP_PANELS(X, 0) DP_PANELS(X, 1) DP_PANELS(X, 2) DP_PANELS(X, 3) DP_PANELS(X, 4) DP_PANELS(X, 5)
 inline __m512bh load_pairs(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+// Row tile t of a block of m rows cut into `tiles` tiles of near-equal size (8 rows as 4 + 4, not 6 + 2: the 2-row
+// tile's 8 accumulators ran behind its loads, and 8-row decode steps took their weights' read + the tile's time).
+inline int64_t tile_start(int64_t m, int64_t tiles, int64_t t) { return t * (m / tiles) + std::min(t, m % tiles); }
 
 template <int R, int P>
 __attribute__((noinline)) void dp_kernel(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b, int64_t ps,
@@ -314,8 +317,8 @@ void dp_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int
       const char* next = reinterpret_cast<const char*>(W + (p + np) * ps);
       const int64_t tiles = (m1 - m0 + DR - 1) / DR;
       const zmm::PrefetchSpread pf(std::min(DP, p1 - p - np) * ps * 2 / 64, tiles * pairs);
-      for (int64_t i = m0, t = 0; i < m1; i += DR, ++t) {
-        const int64_t rows = std::min(DR, m1 - i);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t i = m0 + tile_start(m1 - m0, tiles, t), rows = m0 + tile_start(m1 - m0, tiles, t + 1) - i;
         const auto [pf2, pf2_n] = stream != nullptr ? stream->take() : std::pair<const char*, int64_t>{nullptr, 0};
         dp_tile(rows, np, A + i * K, K, W + p * ps, ps, 2 * ps, pairs, c, next + t * pf.per_tile(pairs) * 64, pf.n,
                 pf.every, pf2, pf2_n, std::max<int64_t>(1, pairs / std::max<int64_t>(1, pf2_n)));
@@ -346,8 +349,9 @@ void dp_silu_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0
       const char* up_next = reinterpret_cast<const char*>(W + (half + p + np) * ps);
       const int64_t tiles = (m1 - m0 + DR - 1) / DR;
       const zmm::PrefetchSpread pf(2 * side, tiles * pairs);
-      for (int64_t i = m0, t = 0; i < m1; i += DR, ++t) {
-        const int64_t rows = std::min(DR, m1 - i), first = t * pf.per_tile(pairs);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t i = m0 + tile_start(m1 - m0, tiles, t), rows = m0 + tile_start(m1 - m0, tiles, t + 1) - i;
+        const int64_t first = t * pf.per_tile(pairs);
         const char* next = first < side ? gate_next + first * 64 : up_next + (first - side) * 64;
         const auto [pf2, pf2_n] = stream != nullptr ? stream->take() : std::pair<const char*, int64_t>{nullptr, 0};
         // One gate panel: gate and up as panels 0 and 1 (panel 1 at b + ps there).
