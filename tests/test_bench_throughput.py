@@ -174,6 +174,38 @@ def test_bf16_tpot_target_of_an_fp32_run_uses_the_bf16_row():
     assert targets(report)[5]["met"] is None  # no bf16 row: not assessed
 
 
+def test_bf16_tpot_target_uses_the_reads_timed_beside_the_stream():
+    """The single stream's own weight-read time (reads timed beside it) wins over the run's start-up probe: the host's
+    bandwidth moves between the two (30 -> 53 GB/s in one run here)."""
+    report = synthetic_report()  # start-up probe: 6.0 ms
+    report["single_stream"][0]["weight_read_ms"] = 8.0
+    names = {t["name"]: t for t in targets(report)}
+    assert names["single-stream bf16 TPOT / weight-read time"]["value"] == pytest.approx(8.5 / 8.0, rel=1e-3)
+    del report["single_stream"][0]["weight_read_ms"]
+    names = {t["name"]: t for t in targets(report)}
+    assert names["single-stream bf16 TPOT / weight-read time"]["value"] == pytest.approx(8.5 / 6.0, rel=1e-3)
+
+
+def test_single_stream_reads_are_timed_beside_each_run(tiny_model_dir):
+    """Each run gets the larger of the reads timed just before and just after it; the fastest run keeps its own."""
+    from pagedcore import LLMEngine
+    from pagedcore.bench import latency
+
+    engine = LLMEngine(model=str(tiny_model_dir("llama")), num_kv_blocks=32, block_size=8)
+    calls, reads = [], iter([10.0, 12.0, 30.0, 20.0])
+
+    def probe():
+        calls.append(engine.has_unfinished_requests())
+        return next(reads)
+
+    row = latency.fastest_single_stream(engine, list(range(100, 120)), 4, runs=2, read_probe=probe)
+    assert calls == [False] * 4  # never while a request runs
+    assert row["read_gbs_samples"] == [12.0, 30.0]
+    assert row["read_gbs"] == row["read_gbs_samples"][row["tpot_samples_s"].index(row["tpot_s"])]
+    assert latency.weight_read_ms(269_000_000, 50.0) == pytest.approx(5.38)
+    assert "read_gbs" not in latency.fastest_single_stream(engine, list(range(100, 120)), 4)
+
+
 def test_structured_json_bench_smoke(tiny_model_dir, tmp_path):
     """`--structured json`: both runs generate every requested token (the grammar never completes), so
     the tok/s compare the same work; one compile time per distinct schema."""

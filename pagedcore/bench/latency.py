@@ -23,23 +23,40 @@ def single_stream(engine, prompt: list[int], max_tokens: int) -> dict:
             "output_tokens": seen}
 
 
-def fastest_single_stream(engine, prompt: list[int], max_tokens: int, runs: int = 1) -> dict:
+def fastest_single_stream(engine, prompt: list[int], max_tokens: int, runs: int = 1, read_probe=None) -> dict:
     """single_stream `runs` times in one engine, the prompt rotated by one token each run (a new first block, so
-    no prefix hit shortens a TTFT): the run with the lowest TPOT, with every run's TPOT beside it."""
-    rows = [single_stream(engine, prompt[k % len(prompt):] + prompt[:k % len(prompt)], max_tokens) for k in range(runs)]
+    no prefix hit shortens a TTFT): the run with the lowest TPOT, with every run's TPOT beside it.
+
+    read_probe (GB/s, e.g. roofline.read_bandwidth_gbs): taken just before and just after each run, the larger kept
+    as that run's `read_gbs`, so a TPOT is set against the memory of its own minutes (this host's read bandwidth
+    moved 30 -> 53 GB/s between a run's start and its single streams)."""
+    rows = []
+    for k in range(runs):
+        before = read_probe() if read_probe is not None else None
+        row = single_stream(engine, prompt[k % len(prompt):] + prompt[:k % len(prompt)], max_tokens)
+        if read_probe is not None:
+            row["read_gbs"] = max(before, read_probe())
+        rows.append(row)
     best = dict(min(rows, key=lambda r: r["tpot_s"]))
     if runs > 1:
         best["tpot_samples_s"] = [r["tpot_s"] for r in rows]
+        if read_probe is not None:
+            best["read_gbs_samples"] = [r["read_gbs"] for r in rows]
     return best
 
 
-def single_stream_dtype(settings: dict, dtype: str, prompt: list[int], max_tokens: int, runs: int = 1) -> dict:
+def weight_read_ms(weight_bytes: int, read_gbs: float) -> float:
+    return weight_bytes / (read_gbs * 1e9) * 1e3
+
+
+def single_stream_dtype(settings: dict, dtype: str, prompt: list[int], max_tokens: int, runs: int = 1,
+                        read_probe=None) -> dict:
     """The same, on an engine in another dtype (bf16 weights read half the bytes of fp32 ones)."""
     from pagedcore import LLMEngine
     from pagedcore.bench.roofline import weight_bytes
 
     engine = LLMEngine(**dict(settings, dtype=dtype))
-    row = fastest_single_stream(engine, prompt, max_tokens, runs)
+    row = fastest_single_stream(engine, prompt, max_tokens, runs, read_probe)
     return dict(row, engine=f"pagedcore ({dtype} weights)", peer="pagedcore-bf16" if dtype == "bfloat16" else f"pagedcore-{dtype}",
                 weight_bytes=weight_bytes(engine.model))
 

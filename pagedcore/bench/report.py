@@ -77,8 +77,12 @@ def throughput_table(throughput: dict) -> list[str]:
 
 def single_stream_table(rows: list[dict]) -> list[str]:
     def notes(r: dict) -> str:
-        runs = r.get("tpot_samples_s", [])
-        return f"fastest TPOT of {len(runs)} runs: {', '.join(f'{x * 1e3:.2f}' for x in runs)} ms" if len(runs) > 1 else ""
+        runs, notes = r.get("tpot_samples_s", []), []
+        if len(runs) > 1:
+            notes.append(f"fastest TPOT of {len(runs)} runs: {', '.join(f'{x * 1e3:.2f}' for x in runs)} ms")
+        if r.get("weight_read_ms") and r.get("read_gbs"):
+            notes.append(f"weights read in {r['weight_read_ms']:.2f} ms at {r['read_gbs']:.1f} GB/s timed beside it")
+        return "; ".join(notes)
 
     body = [[r["engine"], DASH, DASH, f"skipped: {r['skipped']}"] if "skipped" in r else
             [r["engine"], _num(r["ttft_s"] * 1e3), _num(r["tpot_s"] * 1e3, "{:.2f}"), notes(r)] for r in rows]
