@@ -124,14 +124,19 @@ inline float kv_value(C x, float s) {
 // s[0, n) <- exp(s * scale - max) in place; returns 1 / their sum (applied to the row's output: R x D products
 // instead of a third pass over n).
 #ifdef PC_AVX512
-inline float softmax_row(float* s, int64_t n, float scale) {
-  const __m512 vs = _mm512_set1_ps(scale);
+// max over j < n of s[j] * scale, broadcast (both softmax rows below).
+inline __m512 scaled_max(const float* s, int64_t n, __m512 vs) {
   __m512 vm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 k = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
     vm = _mm512_mask_max_ps(vm, k, vm, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), vs));
   }
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
+  return _mm512_set1_ps(_mm512_reduce_max_ps(vm));
+}
+
+inline float softmax_row(float* s, int64_t n, float scale) {
+  const __m512 vs = _mm512_set1_ps(scale);
+  const __m512 m = scaled_max(s, n, vs);
   __m512 vl = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 k = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
@@ -279,12 +284,7 @@ void dp_tiles(int64_t R, int64_t NP, const uint32_t* a, int64_t as, const uint32
 // of the rounded weights (P is divided by it). One pass after the max: the fp32 weights never stored.
 PC_DP_INLINE float softmax_row_bf16(const float* s, int64_t vis, int64_t n, float scale, c10::BFloat16* p) {
   const __m512 vs = _mm512_set1_ps(scale);
-  __m512 vm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < vis; j += 16) {
-    const __mmask16 k = vis - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (vis - j)) - 1);
-    vm = _mm512_mask_max_ps(vm, k, vm, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), vs));
-  }
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
+  const __m512 m = scaled_max(s, vis, vs);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 16) {
     const int64_t left = vis - j;
