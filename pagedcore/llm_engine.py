@@ -10,6 +10,7 @@ import weakref
 
 import torch
 
+from pagedcore import huge_pages
 from pagedcore.beam_search import BeamGroup
 from pagedcore.config import EngineConfig
 from pagedcore.detokenizer import IncrementalDetokenizer
@@ -46,6 +47,7 @@ class LLMEngine(LoRAEngineAPI):
             torch.set_num_threads(self.config.num_threads)
         self.device = self.config.torch_device()
         self.dtype = self.config.torch_dtype(self.device)
+        prefaulted = huge_pages.prefault(self.config, self.device, self.dtype)  # faulted while the model loads
         self.model, self.tokenizer = hook.pagedcore_load_model(config=self.config)
         self.vocab_size = self.model.get_output_embeddings().out_features  # quantized heads keep no .weight
         self.executor = None  # tensor parallelism (pagedcore/distributed/): rank 0's side
@@ -64,7 +66,7 @@ class LLMEngine(LoRAEngineAPI):
         if backend is None:
             raise ValueError(f"no attention backend {self.config.attention_backend!r} for {self.device}")
         if self.executor is None:
-            self.runner = ModelRunner(self.config, self.model, backend, self.device, self.model.dtype)
+            self.runner = ModelRunner(self.config, self.model, backend, self.device, self.model.dtype, prefaulted)
         else:  # rank 0's runner: it broadcasts each step to the workers (distributed/executor.py)
             self.runner = self.executor.make_runner(backend, self.model.dtype)
         self.kv = KVCacheManager(self.runner.num_blocks, self.config.block_size,

@@ -61,7 +61,8 @@ def available_memory(device: torch.device) -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model, backend, device: torch.device, dtype: torch.dtype):
+    def __init__(self, config: EngineConfig, model, backend, device: torch.device, dtype: torch.dtype,
+                 prefaulted: huge_pages.Prefault | None = None):
         self.config = config
         self.model = model
         self.backend = backend
@@ -86,7 +87,7 @@ class ModelRunner:
             logger.info("fused projections: %d", fused_projections.install(model, device))
             if config.tensor_parallel_size == 1:  # (sharding re-slices dense weights)
                 logger.info("dense weights released: %d", packed_linear.release_dense(model))
-            huge_pages.install(model, device)  # before the decode stack takes the weights' addresses
+            huge_pages.install(model, device, prefaulted)  # before the decode stack takes the weights' addresses
         self.lora_manager = None
         if config.enable_lora:  # after the packed linears: the LoRA layers wrap whatever forward the base runs
             from pagedcore.lora.manager import LoRAManager

@@ -41,3 +41,44 @@ def test_every_packed_weight_moves_and_the_tokens_stay(ext, tiny_model_dir, monk
         assert a.token_ids == b.token_ids
         assert [lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids)] == \
             [lp[t].logprob for lp, t in zip(b.logprobs, b.token_ids)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_buffer_faulted_while_the_model_loads_is_the_one_filled(ext, tiny_model_dir, monkeypatch, dtype):
+    """The engine starts faulting the buffer before it loads the model, from config.json's shapes: that estimate
+    bounds the packed bytes from above (by little), and the weights land in that very buffer."""
+    import json
+    from pathlib import Path
+
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 0)
+    taken, take = [], huge_pages.Prefault.take
+
+    def recording_take(self, nbytes):
+        taken.append((self.nbytes, nbytes, take(self, nbytes)))
+        return taken[-1][2]
+
+    monkeypatch.setattr(huge_pages.Prefault, "take", recording_take)
+    model = tiny_model_dir("llama")
+    llm = LLM(str(model), dtype=dtype, num_kv_blocks=64)
+    (estimated, total, buffer), = taken
+    assert buffer is not None and estimated >= total
+    element = 4 if dtype == "float32" else 2
+    assert estimated == huge_pages.estimate_bytes(json.loads((Path(model) / "config.json").read_text()), element)
+    assert estimated - total <= (1 << 20) + 64 * 64 * 16 * element  # the slack, plus fused groups' padding at most
+    storages = {t.untyped_storage().data_ptr() for t in huge_pages.packed_tensors(llm.engine.model)}
+    assert storages == {buffer.data_ptr()}
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+               .outputs[0].token_ids) == 4
+
+
+def test_a_prefaulted_buffer_too_small_is_not_used(ext):
+    pre = huge_pages.Prefault(ext, 3 << 20)
+    assert pre.take(4 << 20) is None
+    pre = huge_pages.Prefault(ext, 3 << 20)
+    buf = pre.take(2 << 20)
+    assert buf.numel() == 3 << 20 and buf.data_ptr() % (2 << 20) == 0
+    assert pre.take(1) is None  # once
+
+
+def test_estimates_only_the_model_types_it_knows():
+    assert huge_pages.estimate_bytes({"model_type": "gpt2", "hidden_size": 8}, 2) is None

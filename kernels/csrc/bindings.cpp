@@ -16,8 +16,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query"), py::arg("out"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
         py::arg("seqs"), py::arg("q_starts"), py::arg("q_ends"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none());
+  // Without the GIL: huge_pages.prefault runs it in a thread while the main thread loads the model.
   m.def("huge_page_buffer", &huge_page_buffer, "uint8 [nbytes] in 2 MiB transparent huge pages where the OS gives them",
-        py::arg("nbytes"));
+        py::arg("nbytes"), py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "transformers' Llama RMSNorm");
   m.def("add_rms_norm", &add_rms_norm, "(x + residual, rms_norm(x + residual))");
   m.def("rotary_embedding_", &rotary_embedding_, "rotate q and k in place (transformers' rotate_half RoPE)");
