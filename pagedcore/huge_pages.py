@@ -62,8 +62,8 @@ def estimate_bytes(config: dict, element_size: int) -> int | None:
     d = c.get("head_dim") or h // heads
     kv = c.get("num_key_value_heads") or heads
     shapes = [(heads * d, h), (kv * d, h), (kv * d, h), (h, heads * d), (i, h), (i, h), (h, i)]
-    return layers * sum(_panel_bytes(n, k, element_size) for n, k in shapes) \
-        + _panel_bytes(c["vocab_size"], h, element_size) + (1 << 20)
+    # No slack beyond the bound: the buffer is the weights' storage, and weight_bytes counts all of it.
+    return layers * sum(_panel_bytes(n, k, element_size) for n, k in shapes) + _panel_bytes(c["vocab_size"], h, element_size)
 
 
 def _panel_bytes(n: int, k: int, element_size: int) -> int:
