@@ -164,6 +164,10 @@ def test_render_step_profile_and_memory_line():
     assert "| 64 | decode stack | 280.00 | 0.40 | – | – | 275.00 | 3.00 | 1.60 | 15.00 | 4.50 | 200.00 |" in text
     assert "| 64 | layer by layer | 300.00 | 0.40 | 240.00 | 40.00 | 15.00 | 3.00 | 1.60 | 15.00 | 4.50 | 200.00 |" in text
     assert "- Memory: 13.0 GB/s read; all 269 MB of weights in 20.7 ms" in text
+    assert "probed just before and after" not in text
+    t["step_profile"][0]["read_gbs"] = 17.94  # probed beside the batch's profile: shown with its floor
+    text = report.render(t)
+    assert "| 0.50 | 15.00 at 17.9 GB/s | – | 7.00 |" in text and "probed just before and after" in text
 
 
 def test_render_notes_the_runs_a_fastest_row_was_picked_from():

@@ -65,6 +65,31 @@ def test_the_stack_row_is_the_fastest_of_its_repeats(tiny_model_dir, monkeypatch
     assert row["step_ms"] == min(r["step_ms"] for r in stack_rows) and row in stack_rows
     assert not engine.has_unfinished_requests() and engine.kv.num_free_blocks == engine.kv.num_blocks
 
+
+def test_each_batch_floors_use_the_reads_probed_around_its_profile(tiny_model_dir, monkeypatch):
+    """With a read probe, each batch's weight and K/V floors come from the larger of the reads probed just before
+    and just after its profile, not from one probe for the whole run."""
+    engine = LLMEngine(model=str(tiny_model_dir("llama")), num_kv_blocks=64, max_num_seqs=4)
+    events, probes = [], iter([10.0, 20.0, 40.0, 30.0])
+
+    def probe():
+        events.append("probe")
+        return next(probes)
+
+    def profiled(engine, batch, *args):
+        events.append(f"profile {batch}")
+        return {"batch": batch, "step_ms": 1.0}
+
+    monkeypatch.setattr(step_profile, "profile_decode", profiled)
+    rows = step_profile.run(engine, batches=(1, 4), read_gbs=5.0, matmul_tflops=0.05, read_probe=probe)
+    assert events == ["probe", "profile 1", "probe", "probe", "profile 4", "probe"]
+    assert [r["read_gbs"] for r in rows] == [20.0, 40.0]
+    # Floors at those bandwidths: the weights take twice as long at 20 GB/s as at 40.
+    assert rows[0]["weight_read_ms"] == pytest.approx(2 * rows[1]["weight_read_ms"], rel=0.02)
+    fixed = step_profile.run(engine, batches=(1,), read_gbs=20.0, matmul_tflops=0.05)  # no probe: the given read
+    assert fixed[0]["read_gbs"] == 20.0 and fixed[0]["weight_read_ms"] == rows[0]["weight_read_ms"]
+
+
 def test_bench_step_cli(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "step.json"
     rc = main(["bench", "step", "--model", str(tiny_model_dir("llama")), "--dtype", "float32", "--batches", "1,2",

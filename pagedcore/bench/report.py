@@ -117,11 +117,14 @@ def step_profile_table(rows: list[dict]) -> list[str]:
     from pagedcore.bench.step_profile import PARTS, with_layered
 
     body = [[str(r["batch"]), r["path"], _num(r["step_ms"], "{:.2f}"), *(_num(r.get(p), "{:.2f}") for p in PARTS),
-             _num(r.get("weight_read_ms"), "{:.2f}"), _num(r.get("kv_read_ms"), "{:.2f}"),
+             _num(r.get("weight_read_ms"), "{:.2f}") + (f" at {r['read_gbs']:.1f} GB/s" if r.get("read_gbs") else ""),
+             _num(r.get("kv_read_ms"), "{:.2f}"),
              _num(r.get("matmul_ms"), "{:.2f}")] for r in with_layered(rows)]
     header = ["batch", "path", "step", "prepare", "GEMMs", "attention", "other forward", "sample", "output",
               "floor: read weights", "floor: read K/V", "floor: matmul at peak"]
-    return ["**Decode step profile** (ms per step; floors measured in the same run; the decode stack runs every "
+    probed = ", the reads at the bandwidth probed just before and after each batch's profile" \
+        if any(r.get("read_gbs") for r in rows) else ""
+    return [f"**Decode step profile** (ms per step; floors measured in the same run{probed}; the decode stack runs every "
             "layer in one C++ call and times its own phases, each up to the barrier that ends it: attention there is "
             "RoPE, the cache write and paged attention; its GEMMs include the LM head)", "",
             *_table(header, body, "rlrrrrrrrrrr")]

@@ -81,6 +81,14 @@ def read_bandwidth_gbs(seconds: float = 0.5, mib: int = 512) -> float:
             return best
 
 
+ADJACENT_READ_S = 0.3  # each read probe beside a timed stream or step profile (the best of its repeated reads)
+
+
+def adjacent_read_gbs() -> float:
+    """A short read probe, taken just before and after a measurement whose floor it sets."""
+    return read_bandwidth_gbs(ADJACENT_READ_S)
+
+
 def weight_bytes(model) -> int:
     """Bytes of the model's weights, each storage once (a tied embedding/LM head counts once); a linear
     whose dense weight was released (packed_linear.release_dense) counts its packed copy."""

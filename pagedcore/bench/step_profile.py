@@ -186,16 +186,24 @@ def floors(engine, batch: int, read_gbs: float, matmul_tflops: float, context: i
 
 
 def run(engine, batches=(1, 64), read_gbs: float | None = None, matmul_tflops: float | None = None,
-        prompt_len: int = 128, steps: int = 10, repeats: int = 1) -> list[dict]:
+        prompt_len: int = 128, steps: int = 10, repeats: int = 1, read_probe=None) -> list[dict]:
+    """Each batch's profile with its floors. read_probe (GB/s, e.g. roofline.read_bandwidth_gbs): taken before and
+    after each batch's profile, the larger its `read_gbs`, so a weight-read floor is the memory of the profile's own
+    minutes (this host's read bandwidth moves 30 -> 57 GB/s within a run); else `read_gbs` (else a probe now)."""
     from pagedcore.bench import roofline
 
-    read_gbs = read_gbs or roofline.read_bandwidth_gbs()
+    if read_probe is None:
+        read_gbs = read_gbs or roofline.read_bandwidth_gbs()
     matmul_tflops = matmul_tflops or roofline.matmul_tflops(engine.dtype)
     # The timed steps' mean context: the prompt, the first token, one untimed step, then half the timed ones.
     context = prompt_len + 2 + steps // 2
-    return [dict(profile_decode(engine, b, prompt_len, steps, repeats), **floors(engine, b, read_gbs, matmul_tflops,
-                                                                             context))
-            for b in batches]
+    rows = []
+    for b in batches:
+        before = read_probe() if read_probe is not None else None
+        row = profile_decode(engine, b, prompt_len, steps, repeats)
+        gbs = max(before, read_probe()) if read_probe is not None else read_gbs
+        rows.append(dict(row, read_gbs=round(gbs, 1), **floors(engine, b, gbs, matmul_tflops, context)))
+    return rows
 
 
 def run_int4_activations(engine, modes: list[str], repeats: int, batches=(1,), prompt_len: int = 128,
@@ -225,7 +233,7 @@ def with_layered(rows: list[dict]) -> list[dict]:
         out.append(dict(r, path="decode stack" if r.get("decode_stack") else "layer by layer"))
         if r.get("layered"):
             out.append(dict(r["layered"], path="layer by layer", weight_read_ms=r.get("weight_read_ms"),
-                            kv_read_ms=r.get("kv_read_ms"), matmul_ms=r.get("matmul_ms")))
+                            kv_read_ms=r.get("kv_read_ms"), matmul_ms=r.get("matmul_ms"), read_gbs=r.get("read_gbs")))
     return out
 
 
@@ -249,12 +257,13 @@ def run_stack_ab(engine, repeats: int, batches=(1,), prompt_len: int = 128, step
 
 def format_rows(rows: list[dict]) -> list[str]:
     head = f"{'batch':>5s} {'path':>14s} {'step ms':>8s} " + " ".join(f"{p:>13s}" for p in PARTS) \
-        + f" {'weights ms':>10s} {'K/V ms':>7s} {'matmul ms':>9s}"
+        + f" {'weights ms':>10s} {'K/V ms':>7s} {'matmul ms':>9s} {'read GB/s':>9s}"
     lines = [head]
     for r in with_layered(rows):
         lines.append(f"{r['batch']:5d} {r['path']:>14s} {r['step_ms']:8.2f} "
                      + " ".join(f"{r[p]:13.2f}" if r[p] is not None else f"{'-':>13s}" for p in PARTS)
-                     + f" {r['weight_read_ms']:10.2f} {r.get('kv_read_ms', math.nan):7.2f} {r['matmul_ms']:9.2f}")
+                     + f" {r['weight_read_ms']:10.2f} {r.get('kv_read_ms', math.nan):7.2f} {r['matmul_ms']:9.2f}"
+                     + f" {r.get('read_gbs') or math.nan:9.1f}")
     return lines
 
 
@@ -296,7 +305,9 @@ def main(args) -> int:
             with open(args.json, "w") as f:
                 json.dump({"bench": "step", "dtype": args.dtype, "settings": settings, "stack_ab": by_path}, f, indent=2)
         return 0
-    rows = run(engine, args.batches, prompt_len=args.prompt_len, steps=args.steps)
+    from pagedcore.bench import roofline
+
+    rows = run(engine, args.batches, prompt_len=args.prompt_len, steps=args.steps, read_probe=roofline.adjacent_read_gbs)
     mode = "captured forward (torch.compile)" if rows and rows[0]["compiled"] else "eager forward"
     print(f"decode step profile, {args.dtype}, {torch.get_num_threads()} threads, {mode} (ms per step)")
     print("\n".join(format_rows(rows)))

@@ -110,7 +110,6 @@ def peer_row(result: dict) -> dict:
 
 BEST_PEERS = ("openvino", "vllm")  # the strongest CPU engines with continuous batching
 PROFILE_REPEATS = 3  # fresh batches per decode-stack profile row, the fastest reported
-ADJACENT_READ_S = 0.3  # each read probe beside a single stream (the best of its repeated reads)
 
 
 def targets(report: dict) -> list[dict]:
@@ -285,14 +284,15 @@ def main(args) -> int:
     stream_prompt, stream_len = prompts[0][:args.stream_input], args.stream_output
     runs = args.repeats
     # The single streams' weight-read floor from reads timed beside them (latency.fastest_single_stream).
-    probe = (lambda: roofline.read_bandwidth_gbs(ADJACENT_READ_S)) if args.roofline else None
+    probe = roofline.adjacent_read_gbs if args.roofline else None
     single = [latency.fastest_single_stream(llm.engine, stream_prompt, stream_len, runs, probe)] \
         if args.single_stream else []
     if single and probe is not None:
         single[0]["weight_read_ms"] = latency.weight_read_ms(weights, single[0]["read_gbs"])
     if args.step_profile:
         report["step_profile"] = step_profile.run(llm.engine, args.profile_batches, read_gbs if args.roofline else None,
-                                                  tflops if args.roofline else None, repeats=PROFILE_REPEATS)
+                                                  tflops if args.roofline else None, repeats=PROFILE_REPEATS,
+                                                  read_probe=probe)
     llm.shutdown()
     del llm
     if args.single_stream and args.dtype != "bfloat16" and tp == 1:
