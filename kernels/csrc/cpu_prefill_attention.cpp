@@ -11,7 +11,7 @@
 // row's result depends only on its row and its keys, not on which rows share the call: a prompt computed after a
 // prefix-cache hit or in chunks gets the values it gets in one piece (with int8 KV, SDPA's causal path against a
 // masked one differed in last bits that moved quantized K/V a step, and greedy runs parted).
-// bf16 queries over a bf16 cache where AVX512-BF16 runs take run_item_dp instead: both products on vdpbf16ps (K and V
+// bf16 queries over a bf16 cache where AVX512-BF16 runs (and head_dim % 32 == 0) take run_item_dp instead: both products on vdpbf16ps (K and V
 // packed as bf16 pairs, P rounded to bf16 as torch's flash kernel and the decode kernel round it, divided by its
 // rounded sum). 14 prompts of 32-256 tokens, one layer, Zen 4: 3.98 -> 2.46 ms; against fp64 1.58e-3 -> 1.88e-3.
 // There K is packed 16 keys at a time by 16 x 16 dword transposes and V a key pair at a time by 16-bit unpacks (were
@@ -562,10 +562,11 @@ void paged_prefill(torch::Tensor query, torch::Tensor out, torch::Tensor k_cache
           run_item<c10::BFloat16, c10::Float8_e4m3fn>(a, s, g, q0, q1, len, w);
         else
 #if defined(__AVX512BF16__)
-          run_item_dp(a, s, g, q0, q1, len, w);
-#else
-          run_item<c10::BFloat16, c10::BFloat16>(a, s, g, q0, q1, len, w);
+          if (a.d % 32 == 0)  // run_item_dp packs K and V 32 head dims at a time
+            run_item_dp(a, s, g, q0, q1, len, w);
+          else
 #endif
+            run_item<c10::BFloat16, c10::BFloat16>(a, s, g, q0, q1, len, w);
       }
     }
   }
