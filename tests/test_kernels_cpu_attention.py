@@ -185,6 +185,31 @@ def test_cpu_decode_kernel_threads_share_positions_not_sequences(dtype):
     assert rel_err(out[1], ref) < tol and rel_err(out[2], ref) < tol
 
 
+@pytest.mark.parametrize("head_dim", [64, 40])  # 40: the scalar path
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_decode_kernel_fewer_sequences_than_threads_split_their_kv_heads(dtype, head_dim):
+    """Fewer sequences than threads (a single stream): each sequence's KV heads go to the threads in groups, so
+    none idles; every head's output is the same bits as the whole sequence in one item (1 thread), for any
+    group count (3 KV heads over 2, 3 and 4 threads, 2 sequences over 3 and 8)."""
+    _ext_or_skip()
+    for sl in ([200], [1, 37], [250, 90]):
+        b = make_paged_batch([1] * len(sl), sl, 9, 3, head_dim, 16, dtype, "cpu", seed=len(sl))
+        b.write_new_tokens()
+        threads = torch.get_num_threads()
+        out = {}
+        try:
+            for n in (1, 2, 3, 4, 8):
+                torch.set_num_threads(n)
+                out[n] = cpu_paged_attention(b.query, b.k_cache, b.v_cache, b.metadata, head_dim ** -0.5)
+        finally:
+            torch.set_num_threads(threads)
+        assert not out[1].isnan().any()
+        for n in (2, 3, 4, 8):
+            assert torch.equal(out[n], out[1]), (sl, n)
+        ref = ref_paged_attention(b.query, b.k_cache, b.v_cache, b.metadata, head_dim ** -0.5)
+        assert rel_err(out[1], ref) < (2e-5 if dtype == torch.float32 else 2e-2)
+
+
 @pytest.mark.parametrize("window", [0, 24])
 def test_decode_stack_prefetches_exactly_the_kv_rows_each_threads_items_read(window):
     """The decode stack asks for the next layer's K/V during the gate/up GEMM (LineStream): each thread's spans

@@ -167,6 +167,23 @@ def test_cpp_decode_splits_long_sequences_over_threads_with_quantized_cache(kv_c
     assert rel_err(out, reference_over_dequantized(batch, k, v, 0.125)) < 1e-4
 
 
+@pytest.mark.parametrize("kv_cache_dtype", QUANT)
+def test_cpp_decode_of_one_sequence_splits_its_kv_heads_with_quantized_cache(kv_cache_dtype, ext):
+    # One sequence, two threads: its KV heads in two items, each scaling its own heads' scores and weights.
+    batch = make_paged_batch([1], [90], 9, 3, 64, 16, seed=6)
+    k, v = quantized_caches(batch, kv_cache_dtype)
+    threads = torch.get_num_threads()
+    try:
+        out = {}
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out[n] = _torch_backend_forward(batch, k, v, 0.125, use_ext=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(out[2], out[1])
+    assert rel_err(out[2], reference_over_dequantized(batch, k, v, 0.125)) < 1e-4
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kv_cache_dtype", QUANT)
 def test_triton_backend_equals_the_reference_over_the_dequantized_cache(kv_cache_dtype, dtype):

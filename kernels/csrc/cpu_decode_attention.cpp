@@ -66,11 +66,12 @@ constexpr int64_t kPart = 256;
 // An item's fixed work (its query, softmax set-up, output) in positions' worth, for the threads' shares.
 constexpr int64_t kItemCost = 8;
 
-// Scores [hq, count] of one item (query head h reads KV head h / group): scale * q_h . k_t.
+// Scores [hkv * group, count] of one item's hkv KV heads (query head h reads KV head h / group; qrow, q, k_cache and
+// v_cache at the item's first head): scale * q_h . k_t.
 template <typename T, typename Q>
-void item_scores(const DecodeAttention& a, const Q* qrow, const float* q, const T* k_cache, const T* v_cache,
-                 const int64_t* off, int64_t count, float* sc) {
-  const int64_t hkv = a.hkv, d = a.d, group = a.hq / hkv, row_elems = hkv * d;
+void item_scores(const DecodeAttention& a, int64_t hkv, const Q* qrow, const float* q, const T* k_cache,
+                 const T* v_cache, const int64_t* off, int64_t count, float* sc) {
+  const int64_t d = a.d, group = a.hq / a.hkv, row_elems = a.hkv * d;
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<Q, c10::BFloat16>) {
     if (d == 64) return scores_dp<2>(qrow, a.q_head_stride, hkv, group, k_cache, v_cache, off, count, row_elems, a.scale, sc);
@@ -106,13 +107,16 @@ void run_items(const DecodeAttention& a, int64_t begin, int64_t end) {
   for (int64_t it = begin; it < end; ++it) {
     const DecodeItem& item = a.items[it];
     const int64_t count = item.p1 - item.p0;
-    const Q* qrow = query + a.rows[item.seq] * a.q_row_stride;
+    // The item's KV heads [kv0, kv1) and their query heads [h0, h0 + nh): pointers below start at them.
+    const int64_t nkv = item.kv1 - item.kv0, h0 = item.kv0 * group, nh = nkv * group;
+    const Q* qrow = query + a.rows[item.seq] * a.q_row_stride + h0 * a.q_head_stride;
+    const T *kc = k_cache + item.kv0 * d, *vc = v_cache + item.kv0 * d;
 #ifdef PC_ATTN_AVX2
     if (vec)
-      for (int64_t h = 0; h < hq; ++h) load_q<T>(&q[h * d], qrow + h * a.q_head_stride, d, a.scale);
+      for (int64_t h = 0; h < nh; ++h) load_q<T>(&q[h * d], qrow + h * a.q_head_stride, d, a.scale);
     else
 #endif
-      for (int64_t h = 0; h < hq; ++h)
+      for (int64_t h = 0; h < nh; ++h)
         for (int64_t i = 0; i < d; ++i) q[h * d + i] = to_float(qrow[h * a.q_head_stride + i]) * a.scale;
     std::fill(acc.begin(), acc.end(), 0.f);
     if (count > 0) {
@@ -125,12 +129,12 @@ void run_items(const DecodeAttention& a, int64_t begin, int64_t end) {
         row_offsets(table, item.p0, item.p1, a.block_size, hkv, a.scale_block_stride, soff.data());
       }
       float* sc = scores.data();
-      // Scores [hq, count] (query head h reads KV head h / group), softmax per head, weighted V.
-      item_scores<T, Q>(a, qrow, q.data(), k_cache, v_cache, off.data(), count, sc);
-      if (a.k_scales != nullptr) apply_row_scales(sc, hkv, group, count, a.k_scales, soff.data());
+      // Scores [nh, count] (query head h reads KV head h / group), softmax per head, weighted V.
+      item_scores<T, Q>(a, nkv, qrow, q.data(), kc, vc, off.data(), count, sc);
+      if (a.k_scales != nullptr) apply_row_scales(sc, nkv, group, count, a.k_scales + item.kv0, soff.data());
       if (a.softcap > 0.f)
-        for (int64_t j = 0; j < hq * count; ++j) sc[j] = a.softcap * std::tanh(sc[j] / a.softcap);
-      for (int64_t h = 0; h < hq; ++h) {
+        for (int64_t j = 0; j < nh * count; ++j) sc[j] = a.softcap * std::tanh(sc[j] / a.softcap);
+      for (int64_t h = 0; h < nh; ++h) {
 #ifdef PC_ATTN_AVX2
         if (vec) softmax_avx2(sc + h * count, count, &ml[2 * h], &ml[2 * h + 1]);
         else
@@ -138,7 +142,7 @@ void run_items(const DecodeAttention& a, int64_t begin, int64_t end) {
           softmax_scalar(sc + h * count, count, &ml[2 * h], &ml[2 * h + 1]);
       }
       // After the softmax (its sums stay those of the weights): V's scales go into the weights.
-      if (a.v_scales != nullptr) apply_row_scales(sc, hkv, group, count, a.v_scales, soff.data());
+      if (a.v_scales != nullptr) apply_row_scales(sc, nkv, group, count, a.v_scales + item.kv0, soff.data());
       bool pv_ran = false;  // by the bf16 cache's vdpbf16ps PV (natural order), else below
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
@@ -153,36 +157,36 @@ void run_items(const DecodeAttention& a, int64_t begin, int64_t end) {
                           noff.data());
           }
           const int64_t rb = row_elems * 2;
-          if (d == 64) pv_dp<2>(sc, hkv, group, v_cache, off.data(), count, acc.data(), ml.data(), wb, k_cache, noff.data(), ncount, rb);
-          else pv_dp<4>(sc, hkv, group, v_cache, off.data(), count, acc.data(), ml.data(), wb, k_cache, noff.data(), ncount, rb);
+          if (d == 64) pv_dp<2>(sc, nkv, group, vc, off.data(), count, acc.data(), ml.data(), wb, k_cache, noff.data(), ncount, rb);
+          else pv_dp<4>(sc, nkv, group, vc, off.data(), count, acc.data(), ml.data(), wb, k_cache, noff.data(), ncount, rb);
           pv_ran = true;
         }
       }
 #endif
 #ifdef PC_ATTN_AVX2
       if (!pv_ran && vec) {
-        if (d == 64) pv_avx2<T, 64>(sc, hkv, group, v_cache, off.data(), count, d, row_elems, acc.data());
-        else if (d == 128) pv_avx2<T, 128>(sc, hkv, group, v_cache, off.data(), count, d, row_elems, acc.data());
-        else pv_avx2<T, 0>(sc, hkv, group, v_cache, off.data(), count, d, row_elems, acc.data());
-        for (int64_t h = 0; h < hq; ++h) to_natural<T>(&acc[h * d], d);
+        if (d == 64) pv_avx2<T, 64>(sc, nkv, group, vc, off.data(), count, d, row_elems, acc.data());
+        else if (d == 128) pv_avx2<T, 128>(sc, nkv, group, vc, off.data(), count, d, row_elems, acc.data());
+        else pv_avx2<T, 0>(sc, nkv, group, vc, off.data(), count, d, row_elems, acc.data());
+        for (int64_t h = 0; h < nh; ++h) to_natural<T>(&acc[h * d], d);
       } else
 #endif
         if (!pv_ran)
-          for (int64_t kv = 0; kv < hkv; ++kv)
-            pv_scalar(sc + kv * group * count, group, v_cache + kv * d, off.data(), count, d, &acc[kv * group * d]);
+          for (int64_t kv = 0; kv < nkv; ++kv)
+            pv_scalar(sc + kv * group * count, group, vc + kv * d, off.data(), count, d, &acc[kv * group * d]);
     } else {
-      for (int64_t h = 0; h < hq; ++h) ml[2 * h] = -std::numeric_limits<float>::max(), ml[2 * h + 1] = 0.f;
+      for (int64_t h = 0; h < nh; ++h) ml[2 * h] = -std::numeric_limits<float>::max(), ml[2 * h + 1] = 0.f;
     }
     if (item.slot >= 0) {
-      float* dst = const_cast<float*>(a.partial.data()) + item.slot * hq * pstride;
-      for (int64_t h = 0; h < hq; ++h) {
+      float* dst = const_cast<float*>(a.partial.data()) + (item.slot * hq + h0) * pstride;
+      for (int64_t h = 0; h < nh; ++h) {
         dst[h * pstride] = ml[2 * h];
         dst[h * pstride + 1] = ml[2 * h + 1];
         std::copy(acc.data() + h * d, acc.data() + (h + 1) * d, dst + h * pstride + 2);
       }
     } else {
-      Q* orow = out + item.seq * hq * d;
-      for (int64_t h = 0; h < hq; ++h) {
+      Q* orow = out + (item.seq * hq + h0) * d;
+      for (int64_t h = 0; h < nh; ++h) {
         const float inv = ml[2 * h + 1] > 0.f ? 1.f / ml[2 * h + 1] : 0.f;
 #ifdef PC_ATTN_AVX2
         if (vec) {
@@ -267,18 +271,29 @@ void DecodeAttention::plan(int64_t threads) {
     const int64_t parts = count > part_len ? (count + part_len - 1) / part_len : 1;
     const int64_t step = (count + parts - 1) / parts;
     for (int64_t p = 0; p < parts; ++p)
-      items.push_back({s, first + p * step, std::min(len, first + (p + 1) * step), parts > 1 ? slots++ : -1});
+      items.push_back({s, first + p * step, std::min(len, first + (p + 1) * step), parts > 1 ? slots++ : -1, 0, hkv});
   }
   has_split = slots > 0;
+  // Fewer sequences than threads (a single stream): each sequence's KV heads in near-equal groups, one item each, so
+  // no thread idles through the step's attention. A head's sums are the same in any group: results do not change.
+  if (!items.empty() && int64_t(items.size()) < threads && !has_split && hkv > 1) {
+    const int64_t groups = std::min(hkv, threads / int64_t(items.size()));
+    std::vector<DecodeItem> by_heads;
+    for (const DecodeItem& it : items)
+      for (int64_t g = 0; g < groups; ++g)
+        by_heads.push_back({it.seq, it.p0, it.p1, -1, g * hkv / groups, (g + 1) * hkv / groups});
+    items = std::move(by_heads);
+  }
   // Partial results of split items: [slot][head] x (max, sum, acc[d]).
   partial.assign(slots * hq * (d + 2), 0.f);
-  // Cuts at even shares of the work, an item weighing its positions plus kItemCost for its fixed part.
+  // Cuts at even shares of the work, an item weighing its positions plus kItemCost for its fixed part, per KV head.
   cuts.assign(threads + 1, int64_t(items.size()));
   cuts[0] = 0;
   int64_t work = 0, done = 0;
-  for (const DecodeItem& it : items) work += it.p1 - it.p0 + kItemCost;
+  auto weight = [&](const DecodeItem& it) { return (it.p1 - it.p0 + kItemCost) * (it.kv1 - it.kv0); };
+  for (const DecodeItem& it : items) work += weight(it);
   for (int64_t i = 0, t = 1; i < int64_t(items.size()) && t < threads; ++i) {
-    const int64_t w = items[i].p1 - items[i].p0 + kItemCost;
+    const int64_t w = weight(items[i]);
     // cut before item i if that lands nearer thread t's share than cutting after it
     while (t < threads && 2 * (done + w) * threads - w * threads > 2 * work * t) cuts[t++] = i;
     done += w;
@@ -303,6 +318,7 @@ void DecodeAttention::kv_lines(int64_t begin, int64_t end, LineStream& out) cons
   for (const void* cache : {k_cache, v_cache}) {  // all K, then all V: adjacent blocks merge into one span
     for (int64_t it = begin; it < end; ++it) {
       const DecodeItem& item = items[it];
+      if (it > begin && items[it - 1].seq == item.seq && items[it - 1].p0 == item.p0) continue;  // its other heads
       const int32_t* table = block_table + item.seq * max_blocks;
       for (int64_t p = item.p0; p < item.p1;) {
         const int64_t o = p % block_size, run = std::min(block_size - o, item.p1 - p);

@@ -46,8 +46,9 @@ struct LineStream {
 
 // ---- paged decode attention (cpu_decode_attention.cpp) ----------------------------------------
 struct DecodeItem {
-  int64_t seq, p0, p1;  // positions [p0, p1) of sequence seq, all heads
+  int64_t seq, p0, p1;  // positions [p0, p1) of sequence seq
   int64_t slot;         // partial-result slot when the sequence is split, else -1
+  int64_t kv0, kv1;     // its KV heads [kv0, kv1) and their query heads (all, unless fewer sequences than threads)
 };
 
 struct DecodeAttention {
