@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 ALIGN = 64  # each storage's start in the buffer (the kernels' vector loads)
 MIN_BYTES = 8 << 20  # below this, not worth a buffer (tiny test models)
+SURPLUS_FRACTION, SURPLUS_BYTES = 0.02, 4 << 20  # a prefaulted buffer's most unused bytes (Prefault.take)
 _QUANTIZED_BUFFERS = ("packed", "scales_and_zeros", "qweight", "scale")
 
 
@@ -81,10 +82,14 @@ class Prefault:
         self._thread.start()
 
     def take(self, nbytes: int) -> torch.Tensor | None:
-        """The buffer if it holds nbytes (else None: the caller makes its own), once."""
+        """The buffer if it holds nbytes and not much more (else None: the caller makes its own), once. Where the
+        model packs fewer weights than its config's estimate (a linear left unpacked), a buffer far too large would
+        hold that surplus for the engine's life: declined past max(SURPLUS_FRACTION, SURPLUS_BYTES)."""
         self._thread.join()
         buffer = self._buffer.pop() if self._buffer else None
-        return buffer if buffer is not None and buffer.numel() >= nbytes else None
+        if buffer is None or buffer.numel() < nbytes:
+            return None
+        return buffer if buffer.numel() - nbytes <= max(SURPLUS_FRACTION * nbytes, SURPLUS_BYTES) else None
 
 
 def prefault(config, device: torch.device, dtype: torch.dtype) -> Prefault | None:

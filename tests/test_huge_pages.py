@@ -80,5 +80,14 @@ def test_a_prefaulted_buffer_too_small_is_not_used(ext):
     assert pre.take(1) is None  # once
 
 
+def test_a_prefaulted_buffer_far_larger_than_needed_is_not_kept(ext):
+    """A model that packs fewer weights than its config's estimate gets an exact buffer, not one holding the
+    surplus for the engine's life; a few MiB over (alignment, fused groups' padding) is kept."""
+    pre = huge_pages.Prefault(ext, 24 << 20)
+    assert pre.take(10 << 20) is None
+    pre = huge_pages.Prefault(ext, 24 << 20)
+    assert pre.take(21 << 20).numel() == 24 << 20
+
+
 def test_estimates_only_the_model_types_it_knows():
     assert huge_pages.estimate_bytes({"model_type": "gpt2", "hidden_size": 8}, 2) is None

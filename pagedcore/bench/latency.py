@@ -30,17 +30,17 @@ def fastest_single_stream(engine, prompt: list[int], max_tokens: int, runs: int 
     read_probe (GB/s, e.g. roofline.read_bandwidth_gbs): taken just before and just after each run, the larger kept
     as that run's `read_gbs`, so a TPOT is set against the memory of its own minutes (this host's read bandwidth
     moved 30 -> 53 GB/s between a run's start and its single streams)."""
+    from pagedcore.bench.roofline import between_probes
+
     rows = []
     for k in range(runs):
-        before = read_probe() if read_probe is not None else None
-        row = single_stream(engine, prompt[k % len(prompt):] + prompt[:k % len(prompt)], max_tokens)
-        if read_probe is not None:
-            row["read_gbs"] = max(before, read_probe())
-        rows.append(row)
+        rotated = prompt[k % len(prompt):] + prompt[:k % len(prompt)]
+        row, gbs = between_probes(lambda: single_stream(engine, rotated, max_tokens), read_probe)
+        rows.append(row if gbs is None else dict(row, read_gbs=gbs))
     best = dict(min(rows, key=lambda r: r["tpot_s"]))
     if runs > 1:
         best["tpot_samples_s"] = [r["tpot_s"] for r in rows]
-        if read_probe is not None:
+        if "read_gbs" in best:
             best["read_gbs_samples"] = [r["read_gbs"] for r in rows]
     return best
 

@@ -89,6 +89,16 @@ def adjacent_read_gbs() -> float:
     return read_bandwidth_gbs(ADJACENT_READ_S)
 
 
+def between_probes(measure, read_probe=None):
+    """(measure(), the larger of read_probe() just before and just after it): the read bandwidth of the
+    measurement's own minutes (this host's moves 30 -> 57 GB/s within a run); None for it without a probe."""
+    if read_probe is None:
+        return measure(), None
+    before = read_probe()
+    result = measure()
+    return result, max(before, read_probe())
+
+
 def weight_bytes(model) -> int:
     """Bytes of the model's weights, each storage once (a tied embedding/LM head counts once); a linear
     whose dense weight was released (packed_linear.release_dense) counts its packed copy."""

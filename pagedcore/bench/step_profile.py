@@ -199,9 +199,8 @@ def run(engine, batches=(1, 64), read_gbs: float | None = None, matmul_tflops: f
     context = prompt_len + 2 + steps // 2
     rows = []
     for b in batches:
-        before = read_probe() if read_probe is not None else None
-        row = profile_decode(engine, b, prompt_len, steps, repeats)
-        gbs = max(before, read_probe()) if read_probe is not None else read_gbs
+        row, gbs = roofline.between_probes(lambda: profile_decode(engine, b, prompt_len, steps, repeats), read_probe)
+        gbs = gbs or read_gbs
         rows.append(dict(row, read_gbs=round(gbs, 1), **floors(engine, b, gbs, matmul_tflops, context)))
     return rows
 
