@@ -159,6 +159,18 @@ def test_cpu_decode_kernel_rows_do_not_depend_on_the_batch(dtype):
     assert not full.isnan().any()
 
 
+def _at_threads(counts, run) -> dict:
+    """run() at each of torch's thread counts `counts` (the count restored after): {count: result}."""
+    threads, out = torch.get_num_threads(), {}
+    try:
+        for n in counts:
+            torch.set_num_threads(n)
+            out[n] = run()
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_decode_kernel_threads_share_positions_not_sequences(dtype):
     """Threads take even shares of the step's positions (cuts between items), so short sequences first and long
@@ -169,14 +181,7 @@ def test_cpu_decode_kernel_threads_share_positions_not_sequences(dtype):
     sl = sorted([5, 40, 17, 60, 33, 150, 200, 256, 240, 90]) + [2000]
     b = make_paged_batch([1] * len(sl), sl, 9, 3, 64, 16, dtype, "cpu", seed=7)
     b.write_new_tokens()
-    threads = torch.get_num_threads()
-    out = {}
-    try:
-        for n in (1, 2, 3, 8, 16):
-            torch.set_num_threads(n)
-            out[n] = cpu_paged_attention(b.query, b.k_cache, b.v_cache, b.metadata, 0.125)
-    finally:
-        torch.set_num_threads(threads)
+    out = _at_threads((1, 2, 3, 8, 16), lambda: cpu_paged_attention(b.query, b.k_cache, b.v_cache, b.metadata, 0.125))
     ref = ref_paged_attention(b.query, b.k_cache, b.v_cache, b.metadata, 0.125)
     assert all(not o.isnan().any() for o in out.values())
     for n in (3, 8, 16):
@@ -195,14 +200,8 @@ def test_cpu_decode_kernel_fewer_sequences_than_threads_split_their_kv_heads(dty
     for sl in ([200], [1, 37], [250, 90]):
         b = make_paged_batch([1] * len(sl), sl, 9, 3, head_dim, 16, dtype, "cpu", seed=len(sl))
         b.write_new_tokens()
-        threads = torch.get_num_threads()
-        out = {}
-        try:
-            for n in (1, 2, 3, 4, 8):
-                torch.set_num_threads(n)
-                out[n] = cpu_paged_attention(b.query, b.k_cache, b.v_cache, b.metadata, head_dim ** -0.5)
-        finally:
-            torch.set_num_threads(threads)
+        out = _at_threads((1, 2, 3, 4, 8),
+                          lambda: cpu_paged_attention(b.query, b.k_cache, b.v_cache, b.metadata, head_dim ** -0.5))
         assert not out[1].isnan().any()
         for n in (2, 3, 4, 8):
             assert torch.equal(out[n], out[1]), (sl, n)
