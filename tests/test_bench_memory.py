@@ -121,6 +121,27 @@ def test_forked_samples_count_the_shared_prompt_once(tiny_model_dir):
     memory.check_pool_whole(engine)
 
 
+def test_snapshot_shortcut_equals_the_block_walk(tiny_model_dir):
+    """kv_snapshot counts unshared tables per sequence; with forks (shared blocks) it walks the blocks: both
+    equal the block-by-block count at every step."""
+    engine = engine_for(tiny_model_dir, num_kv_blocks=64, enable_prefix_caching=False)
+    engine.add_request("n3", list(range(100, 140)), SamplingParams(n=3, temperature=0.8, seed=3, max_tokens=5,
+                                                                   ignore_eos=True))
+    for i in range(3):
+        engine.add_request(f"r{i}", list(range(200 + i, 223 + 7 * i)), SamplingParams(max_tokens=4 + i, ignore_eos=True))
+    shared = unshared = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        snap = memory.kv_snapshot(engine)
+        running = engine.scheduler.running
+        assert (snap.blocks_used, snap.tokens_stored) == memory.blocks_and_tokens(running, BLOCK)
+        held = sum(len(s.block_table) for s in running)
+        shared += snap.blocks_used < held
+        unshared += snap.blocks_used == held > 0
+    assert shared and unshared  # both counts ran
+    memory.check_pool_whole(engine)
+
+
 def test_budget_smaller_than_the_longest_sequence_is_a_clear_error(tiny_model_dir):
     args = parse(["--model", str(tiny_model_dir("llama")), *SMALL, "--kv-budget-mib", "0.01"])
     with pytest.raises(ValueError, match="less than the longest sequence"):

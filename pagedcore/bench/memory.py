@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -48,13 +49,26 @@ def kv_snapshot(engine) -> KVSnapshot:
     is held outside a running sequence's table.
     """
     bs = engine.config.block_size
-    filled: dict[int, int] = {}
-    for seq in engine.scheduler.running:
-        for i, block in enumerate(seq.block_table):
-            n = min(max(seq.num_computed_tokens - i * bs, 0), bs)
-            filled[block] = max(filled.get(block, 0), n)
+    running = engine.scheduler.running
     pool_used = engine.kv.num_blocks - engine.kv.num_free_blocks
-    return KVSnapshot(len(filled), sum(filled.values()), len(engine.scheduler.running), pool_used)
+    tables = [seq.block_table for seq in running]
+    held = sum(map(len, tables))
+    if len(set(itertools.chain.from_iterable(tables))) == held:
+        # No block shared (the usual step): per sequence, its first num_computed_tokens slots are filled. The
+        # throughput bench takes this snapshot after every timed step: ~15x cheaper than the per-block walk.
+        tokens = sum(min(seq.num_computed_tokens, len(seq.block_table) * bs) for seq in running)
+        return KVSnapshot(held, tokens, len(running), pool_used)
+    return KVSnapshot(*blocks_and_tokens(running, bs), len(running), pool_used)
+
+
+def blocks_and_tokens(running, block_size: int) -> tuple[int, int]:
+    """Distinct physical blocks of the running sequences and the tokens they hold, block by block (shared ones once)."""
+    filled: dict[int, int] = {}
+    for seq in running:
+        for i, block in enumerate(seq.block_table):
+            n = min(max(seq.num_computed_tokens - i * block_size, 0), block_size)
+            filled[block] = max(filled.get(block, 0), n)
+    return len(filled), sum(filled.values())
 
 
 @dataclass
