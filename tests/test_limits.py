@@ -1,4 +1,4 @@
-"""Issue 15: limits, deadlines, fault isolation and shutdown, in the engine (tiny Llama, CPU).
+"""Issue 15: limits, deadlines and fault isolation, in the engine (tiny Llama, CPU); shutdown: test_shutdown.py.
 
 Every refusal names the field and the setting, is counted by reason, leaves no block or queue entry
 behind, and never disturbs the requests around it. A step that raises fails only its own requests;
@@ -12,17 +12,13 @@ import time
 
 import pytest
 
+from limits_helpers import (ENGINE, LONG, TIMEOUT, aborted, assert_clean, drain, greedy, ids,  # noqa: F401
+                            model, rejected, run)
 from pagedcore import InvalidRequestError, SamplingParams, hookimpl
 from pagedcore.async_engine import AsyncLLMEngine
-from pagedcore.limits import (ABORT_REASONS, REJECT_REASONS, EngineDeadError, LimitExceededError, OverloadedError,
-                              RequestFailedError, RequestTimeoutError)
+from pagedcore.limits import (EngineDeadError, LimitExceededError, OverloadedError, RequestFailedError,
+                              RequestTimeoutError)
 from pagedcore.llm_engine import LLMEngine
-
-ENGINE = dict(num_kv_blocks=64, block_size=8, num_threads=1)
-TIMEOUT = 60
-# To the 512-token context: only an end stops it. logprobs=0: every step computes the whole logits row (the greedy
-# head's argmax-only steps run the tiny model's ~500 tokens inside these tests' deadlines).
-LONG = dict(temperature=0.0, max_tokens=None, ignore_eos=True, logprobs=0)
 
 
 class Pace:
@@ -39,49 +35,6 @@ class Pace:
     def process(self, logits, seqs):
         time.sleep(self.seconds)
         return logits
-
-
-def greedy(max_tokens: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
-def ids(n: int, start: int = 100) -> list[int]:
-    return list(range(start, start + n))
-
-
-def rejected(engine) -> dict[str, int]:
-    return dict(zip(REJECT_REASONS, engine.rejected.snapshot()))
-
-
-def aborted(engine) -> dict[str, int]:
-    return dict(zip(ABORT_REASONS, engine.aborted.snapshot()))
-
-
-def assert_clean(engine) -> None:
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks, "KV blocks leaked"
-    assert not engine.requests, f"requests left: {list(engine.requests)}"
-    s = engine.scheduler
-    assert not s.waiting and not s.running and not s.swapped
-
-
-def drain(engine, max_steps: int = 2000) -> dict:
-    done = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            return done
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    raise AssertionError(f"not finished after {max_steps} steps: {list(engine.requests)}")
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, TIMEOUT))
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir):
-    return str(tiny_model_dir("llama"))
 
 
 @pytest.fixture(scope="module")
@@ -348,60 +301,3 @@ def test_async_a_failed_step_raises_in_its_streams_only_and_the_engine_serves_on
         assert_clean(aeng.engine)
     finally:
         aeng.shutdown()
-
-
-# ---- item 4: graceful shutdown -------------------------------------------------------------------------------
-def test_graceful_shutdown_stops_admitting_and_lets_requests_in_flight_finish(model):
-    aeng = AsyncLLMEngine(LLMEngine(model=model, **ENGINE))
-
-    async def main():
-        # Long enough to be still running when the second request comes (40 tokens finished within a fixed
-        # 0.05 s wait on a fast CPU); the wait is for the shutdown to begin, not a guess at its timing.
-        stream = aeng.generate(ids(8), greedy(400))
-        first = await stream.__anext__()
-        stopping = asyncio.ensure_future(asyncio.to_thread(aeng.shutdown, 30.0))
-        deadline = time.monotonic() + 5
-        while aeng.healthy and time.monotonic() < deadline:
-            await asyncio.sleep(0.001)
-        assert not aeng.healthy
-        with pytest.raises(EngineDeadError, match="shutting down"):
-            await aeng.generate(ids(8), greedy(4)).__anext__()
-        outs = [first] + [o async for o in stream]
-        assert outs[-1].finished and not outs[-1].error
-        assert sum(len(o.outputs[0].token_ids) for o in outs) == 400
-        await stopping
-
-    run(main())
-    assert not aeng._thread.is_alive()
-    assert rejected(aeng.engine)["unavailable"] == 1
-    assert_clean(aeng.engine)
-
-
-def test_shutdown_past_its_grace_period_aborts_what_is_left(model):
-    aeng = AsyncLLMEngine(LLMEngine(model=model, **ENGINE))
-
-    async def main():
-        stream = aeng.generate(ids(8), LONG)
-        await stream.__anext__()
-        t0 = time.monotonic()
-        await asyncio.to_thread(aeng.shutdown, 0.3)
-        assert 0.3 <= time.monotonic() - t0 < 5
-        with pytest.raises(EngineDeadError):
-            async for _ in stream:
-                pass
-
-    run(main())
-    assert not aeng._thread.is_alive() and aborted(aeng.engine)["shutdown"] == 1
-    assert_clean(aeng.engine)
-
-
-def test_the_engine_is_a_context_manager(model):
-    async def main():
-        async with AsyncLLMEngine(LLMEngine(model=model, **ENGINE)) as aeng:
-            outs = [o async for o in aeng.generate(ids(8), greedy(3))]
-        assert outs[-1].finished and not aeng._thread.is_alive()
-
-    run(main())
-    with AsyncLLMEngine(LLMEngine(model=model, **ENGINE)) as aeng:
-        pass
-    assert not aeng._thread.is_alive()
