@@ -4,14 +4,12 @@ Every step is checked tensor for tensor (values and dtypes) against `reference_s
 list-based code ModelRunner.prepare used before rows persisted, through admissions, decode
 appends, block growth, finish and abort, recompute and swap preemption, forks, copy-on-write of
 a shared last block and prefix-cache hits; first in directed scenarios, then under random
-interleavings driven through the real Scheduler and KVCacheManager (hypothesis stateful).
+interleavings driven through the real Scheduler and KVCacheManager (test_input_batch_machine.py).
 """
 
 import torch
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from input_batch_helpers import BS, assert_same, check_step, reference_step
 from pagedcore.attention.backend import AttentionMetadata
 from pagedcore.config import EngineConfig
 from pagedcore.input_batch import InputBatch
@@ -20,61 +18,6 @@ from pagedcore.model_runner import ModelInput, ModelRunner
 from pagedcore.sampling_params import SamplingParams
 from pagedcore.scheduler import Scheduler, SchedulerOutput
 from pagedcore.sequence import Sequence, SequenceStatus
-
-BS = 4
-
-
-def reference_step(sched: SchedulerOutput, block_size: int) -> dict:
-    """ModelRunner.prepare before the persistent batch: everything rebuilt from Python lists."""
-    input_ids: list[int] = []
-    starts, q_lens, block_tables, sample_rows = [], [], [], []
-    for seq, n in sched.scheduled:
-        start = seq.num_computed_tokens
-        input_ids.extend(seq.token_ids[start:start + n])
-        starts.append(start)
-        q_lens.append(n)
-        block_tables.append(seq.block_table)
-    seq_lens = [s + n for s, n in zip(starts, q_lens)]
-    for i, (seq, _) in enumerate(sched.scheduled):
-        if seq_lens[i] == seq.num_tokens:
-            sample_rows.append(i)
-    q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
-    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
-    torch.cumsum(q_lens_t, 0, out=qsl[1:])
-    offsets = torch.tensor(starts, dtype=torch.int64) - qsl[:-1]
-    positions = torch.arange(qsl[-1].item()) + torch.repeat_interleave(offsets, q_lens_t)
-    seq_idx = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t)
-    width = max(len(bt) for bt in block_tables)
-    block_table = torch.tensor([bt + [0] * (width - len(bt)) for bt in block_tables], dtype=torch.int32)
-    slot_mapping = block_table[seq_idx, positions // block_size].long() * block_size + positions % block_size
-    qsl_list = qsl.tolist()
-    return dict(
-        input_ids=torch.tensor(input_ids), positions=positions, query_start_loc=qsl.to(torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table=block_table, slot_mapping=slot_mapping,
-        logits_indices=torch.tensor([qsl_list[i + 1] - 1 for i in sample_rows], dtype=torch.int64),
-        query_start_loc_cpu=qsl_list, seq_lens_cpu=seq_lens, max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens), num_tokens=len(input_ids), sample_rows=sample_rows)
-
-
-def assert_same(got: dict, want: dict) -> None:
-    for name, w in want.items():
-        g = got[name]
-        if isinstance(w, torch.Tensor):
-            assert g.dtype == w.dtype and g.device == w.device, (name, g.dtype, w.dtype)
-            assert torch.equal(g, w), (name, g, w)
-        else:
-            assert type(g) is type(w) and g == w, (name, g, w)
-
-
-def check_step(batch: InputBatch, sched: SchedulerOutput) -> None:
-    want = reference_step(sched, BS)
-    b = batch.apply(sched)
-    assert_same({name: getattr(b, name) for name in want}, want)
-    for seq, _ in sched.scheduled:  # the row holds the whole sequence, not just this step's slice
-        row = batch.row_of[seq.seq_id]
-        assert batch.token_ids[row, :seq.num_tokens].tolist() == seq.token_ids
-        padding = [0] * (batch.block_table.shape[1] - len(seq.block_table))
-        assert batch.block_table[row].tolist() == seq.block_table + padding
 
 
 def new_seq(seq_id: int, tokens: list[int]) -> Sequence:
@@ -298,90 +241,6 @@ def test_scheduler_reports_finished_sequences_once_with_a_step_that_runs():
     sched.add(c)
     out = sched.schedule()
     assert out.finished_seq_ids == [1] and [s for s, _ in out.scheduled] == [c]
-
-
-# ---- random interleavings through the real Scheduler and KVCacheManager ------------------------
-NUM_BLOCKS, NUM_CPU_BLOCKS = 24, 16
-
-
-class InputBatchMachine(RuleBasedStateMachine):
-    """Steps of a tiny engine without a model: schedule, check the batch, advance, sample; plus
-    adds, aborts and forks. A small pool forces recompute and swap preemption; a shared stem and
-    the prefix cache give admissions with filled block tables."""
-
-    def __init__(self):
-        super().__init__()
-        cfg = EngineConfig(block_size=BS, max_num_batched_tokens=20, max_num_seqs=3, preemption_mode="auto",
-                           swap_min_tokens=10)
-        self.kv = KVCacheManager(NUM_BLOCKS, BS, enable_prefix_caching=True, num_cpu_blocks=NUM_CPU_BLOCKS)
-        self.sched = Scheduler(cfg, self.kv)
-        self.batch = InputBatch(cfg.max_num_seqs, 32, BS)  # rows and columns both have to grow
-        self.live: list[Sequence] = []
-        self.n = 0
-
-    def _seq(self, tokens):
-        self.n += 1
-        return Sequence(self.n, f"r{self.n}", 0, tokens, SamplingParams(), max_total_tokens=NUM_BLOCKS * BS // 2)
-
-    @rule(stem=st.integers(0, 9), tail=st.lists(st.integers(1, 3), max_size=12))
-    def add(self, stem, tail):
-        seq = self._seq(list(range(stem)) + tail or [1])
-        self.sched.add(seq)
-        self.live.append(seq)
-
-    @rule(tokens=st.lists(st.integers(1, 3), min_size=8, max_size=8), forks=st.lists(st.booleans(), min_size=8,
-                                                                                    max_size=8))
-    def step(self, tokens, forks):
-        out = self.sched.schedule()
-        if out.is_empty:
-            return
-        check_step(self.batch, out)
-        sampled = []
-        for seq, n in out.scheduled:
-            seq.num_computed_tokens += n
-            self.kv.cache_full_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                sampled.append(seq)
-        for i, seq in enumerate(sampled):
-            if forks[i % 8] and len(self.live) < 8:  # a sample (or beam) forks before appending
-                child = self._seq(list(seq.prompt_token_ids))
-                child.token_ids = list(seq.token_ids)
-                self.kv.fork(seq, child)
-                self.sched.add_running(child)
-                self.live.append(child)
-                child.token_ids.append(tokens[(i + 1) % 8])
-            seq.token_ids.append(tokens[i % 8])
-        for seq in sampled:
-            if seq.num_tokens >= seq.max_total_tokens:
-                self.sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
-                self.live.remove(seq)
-        self.kv.take_pending_copies()
-
-    @precondition(lambda self: self.live)
-    @rule(data=st.data())
-    def abort(self, data):
-        seq = data.draw(st.sampled_from(self.live))
-        self.sched.finish(seq, SequenceStatus.FINISHED_ABORTED)
-        self.live.remove(seq)
-
-    @invariant()
-    def rows_belong_to_live_or_not_yet_reported_sequences(self):
-        pending = set(self.sched._finished_seq_ids)
-        for seq_id, row in self.batch.row_of.items():
-            owner = self.batch.owner[row]
-            assert owner.seq_id == seq_id and (not owner.is_finished or seq_id in pending)
-        assert len(self.batch.row_of) + len(self.batch.free_rows) == self.batch.num_rows
-
-    def teardown(self):
-        for _ in range(3000):
-            if not self.sched.has_unfinished():
-                break
-            self.step([1] * 8, [False] * 8)
-        assert not self.sched.has_unfinished()
-
-
-TestInputBatchMachine = InputBatchMachine.TestCase
-TestInputBatchMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
 def test_drafts_get_logits_rows_and_a_rollback_to_the_same_length_is_copied_again():
