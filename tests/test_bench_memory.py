@@ -128,7 +128,8 @@ def test_snapshot_shortcut_equals_the_block_walk(tiny_model_dir):
     engine.add_request("n3", list(range(100, 140)), SamplingParams(n=3, temperature=0.8, seed=3, max_tokens=5,
                                                                    ignore_eos=True))
     for i in range(3):
-        engine.add_request(f"r{i}", list(range(200 + i, 223 + 7 * i)), SamplingParams(max_tokens=4 + i, ignore_eos=True))
+        prompt = list(range(200 + i, 223 + 7 * i))
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=4 + i, ignore_eos=True))
     shared = unshared = 0
     while engine.has_unfinished_requests():
         engine.step()
