@@ -1,4 +1,4 @@
-"""Shared by the limits and shutdown tests (issue 15): the tiny engine's settings and request helpers."""
+"""Shared by the limits, shutdown and bad-input tests (issue 15): the tiny engine's settings and request helpers."""
 
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ def drain(engine, max_steps: int = 2000) -> dict:
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-    raise AssertionError(f"not finished after {max_steps} steps: {list(engine.requests)}")
+    raise AssertionError(f"not finished after {max_steps} steps: {list(engine.requests)} (waiting "
+                         f"{len(engine.scheduler.waiting)}, running {len(engine.scheduler.running)})")
 
 
 def run(coro):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from limits_helpers import drain
 from pagedcore import LLM, InvalidRequestError, SamplingParams
 from pagedcore.model_loader import ModelNotFoundError
 
@@ -236,18 +237,6 @@ def test_directory_without_a_model_is_a_clear_error(tmp_path):
     assert str(tmp_path) in str(e.value)
 
 
-def drain_bounded(engine, max_steps: int = 400) -> dict:
-    done = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            return done
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    raise AssertionError(f"engine stuck: waiting {len(engine.scheduler.waiting)}, "
-                         f"running {len(engine.scheduler.running)}")
-
-
 @pytest.fixture(scope="module")
 def unchunked(tiny_model_dir):
     """Without chunked prefill a sequence's (re)prefill must fit one step's 16-token budget;
@@ -266,7 +255,7 @@ def test_prompt_longer_than_one_step_without_chunked_prefill_is_rejected(unchunk
     assert e.value.field == "prompt" and "16" in str(e.value)
     assert_clean(eng)
     eng.add_request("ok", ids(6), greedy(4))
-    assert len(drain_bounded(eng)["ok"].outputs[0].token_ids) == 4
+    assert len(drain(eng, 400)["ok"].outputs[0].token_ids) == 4
     assert_clean(eng)
 
 
@@ -274,7 +263,7 @@ def test_preempted_sequences_resume_without_chunked_prefill(unchunked):
     eng = unchunked.engine
     for rid, n in zip("abc", (6, 7, 5)):
         eng.add_request(rid, ids(n, start=100 * n), SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
-    done = drain_bounded(eng)
+    done = drain(eng, 400)
     assert set(done) == {"a", "b", "c"}
     assert all(o.outputs[0].finish_reason == "length" for o in done.values())
     assert eng.scheduler.num_preemptions > 0
