@@ -43,9 +43,9 @@ class IntakeAPI:
 
     def reject(self, e: InvalidRequestError | OverloadedError) -> None:
         """Count a refused request by reason and tell the plugins (from any thread)."""
-        self.rejected.add(reject_reason(e))
-        self._event("rejected", None, None, {"field": getattr(e, "field", None), "error": str(e),
-                                              "reason": reject_reason(e)})
+        reason = reject_reason(e)
+        self.rejected.add(reason)
+        self._event("rejected", None, None, {"field": getattr(e, "field", None), "error": str(e), "reason": reason})
 
     def check_capacity(self, num_unfinished: int) -> None:
         """Admission control: OverloadedError (counted) when `num_unfinished` requests already fill

@@ -15,10 +15,10 @@ from pagedcore.beam_search import BeamGroup
 from pagedcore.config import EngineConfig
 from pagedcore.detokenizer import IncrementalDetokenizer
 from pagedcore.input_processor import InputProcessor, ProcessedPrompt
+from pagedcore.intake_api import IntakeAPI
 from pagedcore.kv_cache_manager import KVCacheManager
 from pagedcore.limits import (ABORT_REASONS, REJECT_REASONS, OverloadedError, RequestCounts, RequestFailedError,
                               RequestTimeoutError)
-from pagedcore.intake_api import IntakeAPI
 from pagedcore.lora.engine_api import LoRAEngineAPI
 from pagedcore.lora.registry import LoRARegistry
 from pagedcore.metrics import EngineStats
