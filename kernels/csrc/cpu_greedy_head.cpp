@@ -197,6 +197,108 @@ inline __m256i bf16_bits(__m512 v) {
 #endif
 }
 
+// Row tile t of m rows cut into `tiles` tiles of near-equal size (64 rows: 9 x 6 + 2 x 5, not 10 x 6 + 4).
+inline int64_t tile_start(int64_t m, int64_t tiles, int64_t t) { return t * (m / tiles) + std::min(t, m % tiles); }
+
+inline float bf16_to_float_bits(__m256i b) {
+  return _mm512_cvtss_f32(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+}
+
+// What a row tile's bounds read and write (pass 1 of argmax_rows).
+struct BoundsTile {
+  const RowCodes& rc;
+  int64_t V;
+  const float* st;
+  const int32_t* colsum;
+  const c10::BFloat16* wo;
+  int64_t no2;
+  const float* ob;
+  float gamma;
+  __m512* low;  // this thread's per-row max of a_j - E_j
+  uint16_t* hb;  // [groups][B][GP * 16]: a group's rows side by side, written in one sequential run
+  int64_t B;
+  float* top;  // [groups][B]: the largest of a group's bf16 a_j + E_j per row (+inf where one is NaN)
+};
+
+// R rows x np panels of one tile (its int32 sums in acc[r * GP + q]): each token's a_j and E_j, the row's largest
+// a_j - E_j, a_j + E_j rounded up to bf16 into hb, and the largest of those per row and group into top. The outlier
+// dims' parts are an R x GP register tile of their own (per column the same vdpbf16ps chain over the pairs in order
+// from +0, as a loop per panel over a run-time row count kept them, on the stack).
+template <bool BF16, int R>
+__attribute__((noinline)) void bounds_tile(const __m512i* acc, int64_t np, int64_t r0, int64_t p, const BoundsTile& b) {
+  const RowCodes& rc = b.rc;
+  __m512 part[R][GP];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int q = 0; q < GP; ++q) part[r][q] = _mm512_setzero_ps();
+#ifdef PC_GREEDY_HEAD_BF16
+  for (int64_t i = 0; i < b.no2; ++i) {  // the outlier dims, two a step
+    __m512bh wv[GP];
+#pragma GCC unroll 4
+    for (int q = 0; q < GP; ++q)
+      if (q < np) wv[q] = (__m512bh)_mm512_loadu_si512(b.wo + ((p + q) * b.no2 + i) * 2 * NR);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(rc.xo[(r0 + r) * b.no2 + i]);
+#pragma GCC unroll 4
+      for (int q = 0; q < GP; ++q)
+        if (q < np) part[r][q] = _mm512_dpbf16_ps(part[r][q], xv, wv[q]);
+    }
+  }
+#endif
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const int64_t V = b.V;
+  const float* st = b.st;
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = r0 + r;
+    const __m512 t = _mm512_set1_ps(rc.t[row]), x1 = _mm512_set1_ps(rc.x1[row]), ob = _mm512_set1_ps(b.ob[row]);
+    const __m512 xerr = _mm512_set1_ps(rc.xerr[row]), gx = _mm512_set1_ps(b.gamma * rc.xinf[row]);
+    __m512 low = b.low[row], top = ninf;
+    __mmask16 nan = 0;
+#pragma GCC unroll 4
+    for (int q = 0; q < GP; ++q) {
+      if (q >= np) break;
+      const int64_t j = (p + q) * NR;
+      const __mmask16 in = V - j >= NR ? __mmask16(0xFFFF) : __mmask16((1u << (V - j)) - 1);
+      const __m512 s = _mm512_maskz_loadu_ps(in, st + SCALE * V + j);
+      const __m512i shift = BF16 ? _mm512_slli_epi32(_mm512_maskz_loadu_epi32(in, b.colsum + j), 7) : _mm512_setzero_si512();
+      const __m512i dot = _mm512_sub_epi32(acc[r * GP + q], shift);  // exact: |dot| < 2^24
+      const __m512 a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), s), t, part[r][q]);
+      __m512 e = _mm512_mul_ps(_mm512_maskz_loadu_ps(in, st + WERR * V + j), x1);
+      e = _mm512_fmadd_ps(s, ob, e);
+      e = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(in, st + L1 * V + j), xerr, e);
+      e = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(in, st + W1 * V + j), gx, e);
+      e = _mm512_fmadd_ps(_mm512_abs_ps(a), _mm512_set1_ps(1e-6f), e);
+      e = _mm512_fmadd_ps(e, _mm512_set1_ps(1.01f), _mm512_set1_ps(1e-6f));
+      const __m512 hi = _mm512_add_ps(a, e);
+      low = _mm512_max_ps(low, _mm512_mask_blend_ps(in, ninf, _mm512_sub_ps(a, e)));
+      // Rounded up: + 2^-6 |hi| (over a bf16 ulp, however the rounding goes) before the nearest-even bf16.
+      const __m512 up = _mm512_add_ps(hi, _mm512_fmadd_ps(_mm512_abs_ps(hi), _mm512_set1_ps(1.f / 64), _mm512_set1_ps(1e-30f)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(b.hb + ((p / GP) * b.B + row) * GP * NR + q * NR), bf16_bits(up));
+      top = _mm512_mask_max_ps(top, in, top, up);
+      nan |= _mm512_mask_cmp_ps_mask(in, up, up, _CMP_UNORD_Q);
+    }
+    b.low[row] = low;
+    // Rounding is monotonic: the bf16 of the largest up is the largest of the bf16s stored above.
+    const float t_top = _mm512_reduce_max_ps(top);
+    b.top[(p / GP) * b.B + row] = nan ? std::numeric_limits<float>::infinity() : bf16_to_float_bits(bf16_bits(_mm512_set1_ps(t_top)));
+  }
+}
+
+template <bool BF16>
+void bounds(int64_t rows, const __m512i* acc, int64_t np, int64_t r0, int64_t p, const BoundsTile& b) {
+  switch (rows) {
+    case 1: return bounds_tile<BF16, 1>(acc, np, r0, p, b);
+    case 2: return bounds_tile<BF16, 2>(acc, np, r0, p, b);
+    case 3: return bounds_tile<BF16, 3>(acc, np, r0, p, b);
+    case 4: return bounds_tile<BF16, 4>(acc, np, r0, p, b);
+    case 5: return bounds_tile<BF16, 5>(acc, np, r0, p, b);
+    default: return bounds_tile<BF16, 6>(acc, np, r0, p, b);
+  }
+}
+
 // Both passes for rows of codes rc against the head's codes (pc, ps bytes a panel) and stats; colsum: the bf16
 // head's column sums of codes (the uint8 codes' + 128 taken back). exact(r, cols, n, out): the exact logits of
 // candidates cols[0, n) of row r, as the GEMM would store them.
@@ -212,76 +314,50 @@ void argmax_rows(const RowCodes& rc, int64_t B, int64_t K, int64_t V, int64_t P,
   std::vector<float> ob(B);
   for (int64_t r = 0; r < B; ++r) ob[r] = float(2.02 * (no + 1) * UNIT * 127.0 * rc.xo1[r]);
   // Pass 1, panels split over the threads (all rows per panel group): per row, the max of a_j - E_j (per thread), and
-  // a_j + E_j of every token as a bf16 rounded up (hi [B, P * 16]: 6 MB at 64 rows). Keeping only the
-  // tokens whose a_j + E_j reached the running max, as this once did, cost ~4 ms of branches and list growth at 64
-  // rows of the bench's flat distributions (random prompts: ~3000 of 49152 kept a row on the way up).
+  // a_j + E_j of every token as a bf16 rounded up (hb [P / 4][B][64]: 6 MB at 64 rows, each group's rows in one
+  // sequential run). Keeping only the tokens whose a_j + E_j reached the running max, as this once did, cost ~4 ms of
+  // branches and list growth at 64 rows of the bench's flat distributions (random prompts: ~3000 of 49152 kept a row
+  // on the way up).
   const float gamma = float(1.01 * (K + 2) * UNIT / (1 - (K + 2) * UNIT));
   const int nth = std::max<int>(1, std::min<int>(at::get_num_threads(), int((P + GP - 1) / GP)));
   const float ninf_s = -std::numeric_limits<float>::infinity();
   const int64_t VP = P * NR;
   std::vector<__m512> lower(nth * B, _mm512_set1_ps(ninf_s));
   // Kept across calls: a fresh 6 MB buffer is fresh pages each call (glibc maps it), ~2 ms of page faults here.
+  const int64_t groups = (P + GP - 1) / GP;
   static thread_local std::vector<uint16_t> hib;
-  if (hib.size() < size_t(B * VP)) hib.resize(B * VP);
+  if (hib.size() < size_t(groups * B * GP * NR)) hib.resize(groups * B * GP * NR);  // whole groups: the last may be short
   uint16_t* const hb = hib.data();  // (the workers' own thread_local would be empty)
+  static thread_local std::vector<float> topb;
+  if (topb.size() < size_t(groups * B)) topb.resize(groups * B);
+  float* const tops = topb.data();
 #pragma omp parallel num_threads(nth)
   {
     alignas(64) __m512i acc[GR * GP];
-    const int64_t groups = (P + GP - 1) / GP, tid = omp_get_thread_num(), n = omp_get_num_threads();
+    BoundsTile bt{rc, V, st, colsum, wo, no2, ob.data(), gamma, nullptr, hb, B, tops};
+    const int64_t tid = omp_get_thread_num(), n = omp_get_num_threads();
     const int64_t g0 = groups * tid / n, g1 = groups * (tid + 1) / n;
-    __m512* low = lower.data() + tid * B;
-    const __m512 ninf = _mm512_set1_ps(ninf_s);
+    bt.low = lower.data() + tid * B;
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t p = g * GP, np = std::min(GP, P - p);
       // The thread's next group, spread over this group's row tiles.
       const int64_t ahead = g + 1 < g1 ? std::min(GP, P - p - np) * ps / 64 : 0, tiles = (B + GR - 1) / GR;
       const zmm::PrefetchSpread spread(ahead, tiles * rc.per_row);
-      for (int64_t r0 = 0, t = 0; r0 < B; r0 += GR, ++t) {
-        const int64_t rows = std::min(GR, B - r0);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t r0 = tile_start(B, tiles, t), rows = tile_start(B, tiles, t + 1) - r0;
         const int32_t* xw = rc.words.data() + r0 * rc.per_row;
         const Ahead a{reinterpret_cast<const char*>(pc + (p + np) * ps) + t * spread.per_tile(rc.per_row) * 64, spread.n,
                       spread.every};
         approx<BF16>(rows, np, xw, rc.per_row, pc + p * ps, ps, acc, a);
-        for (int64_t q = 0; q < np; ++q) {
-          const int64_t j = (p + q) * NR;
-          const __mmask16 in = V - j >= NR ? __mmask16(0xFFFF) : __mmask16((1u << (V - j)) - 1);
-          const __m512 s = _mm512_maskz_loadu_ps(in, st + SCALE * V + j);
-          const __m512 werr = _mm512_maskz_loadu_ps(in, st + WERR * V + j);
-          const __m512 l1 = _mm512_maskz_loadu_ps(in, st + L1 * V + j);
-          const __m512 w1 = _mm512_maskz_loadu_ps(in, st + W1 * V + j);
-          const __m512i shift = BF16 ? _mm512_slli_epi32(_mm512_maskz_loadu_epi32(in, colsum + j), 7) : _mm512_setzero_si512();
-          __m512 part[GR];
-          for (int64_t r = 0; r < rows; ++r) part[r] = _mm512_setzero_ps();
-#ifdef PC_GREEDY_HEAD_BF16
-          for (int64_t i = 0; i < no2; ++i) {  // the outlier dims, two a step
-            const __m512bh wv = (__m512bh)_mm512_loadu_si512(wo + ((p + q) * no2 + i) * 2 * NR);
-            for (int64_t r = 0; r < rows; ++r)
-              part[r] = _mm512_dpbf16_ps(part[r], (__m512bh)_mm512_set1_epi32(rc.xo[(r0 + r) * no2 + i]), wv);
-          }
-#endif
-          for (int64_t r = 0; r < rows; ++r) {
-            const int64_t row = r0 + r;
-            const __m512i dot = _mm512_sub_epi32(acc[r * GP + q], shift);  // exact: |dot| < 2^24
-            const __m512 a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), s), _mm512_set1_ps(rc.t[row]), part[r]);
-            __m512 e = _mm512_mul_ps(werr, _mm512_set1_ps(rc.x1[row]));
-            e = _mm512_fmadd_ps(s, _mm512_set1_ps(ob[row]), e);
-            e = _mm512_fmadd_ps(l1, _mm512_set1_ps(rc.xerr[row]), e);
-            e = _mm512_fmadd_ps(w1, _mm512_set1_ps(gamma * rc.xinf[row]), e);
-            e = _mm512_fmadd_ps(_mm512_abs_ps(a), _mm512_set1_ps(1e-6f), e);
-            e = _mm512_fmadd_ps(e, _mm512_set1_ps(1.01f), _mm512_set1_ps(1e-6f));
-            const __m512 hi = _mm512_add_ps(a, e);
-            low[row] = _mm512_max_ps(low[row], _mm512_mask_blend_ps(in, ninf, _mm512_sub_ps(a, e)));
-            // Rounded up: + 2^-6 |hi| (over a bf16 ulp, however the rounding goes) before the nearest-even bf16.
-            const __m512 up = _mm512_add_ps(hi, _mm512_fmadd_ps(_mm512_abs_ps(hi), _mm512_set1_ps(1.f / 64), _mm512_set1_ps(1e-30f)));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(hb + row * VP + j), bf16_bits(up));
-          }
-        }
+        bounds<BF16>(rows, acc, np, r0, p, bt);
       }
     }
-  }
-  // Pass 2, per row: the candidates (tokens whose a_j + E_j reaches the edge of the largest lower bound) in index
-  // order, their exact logits, the argmax (the lowest index on ties).
-  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+#pragma omp barrier
+  // Pass 2, per row, in the same parallel region: the candidates (tokens whose a_j + E_j reaches the edge of the
+  // largest lower bound) in index order, their exact logits, the argmax (the lowest index on ties). Only groups whose
+  // top reaches the edge are read (all 6 MB of hb were, ~0.5 ms of a 64-row call; Zen 4, /tmp/t40/hg.cpp).
+  {
+    const int64_t b0 = B * tid / n, b1 = B * (tid + 1) / n;
     static thread_local std::vector<int32_t> cand;
     if (cand.size() < size_t(VP + NR)) cand.resize(VP + NR);  // + a whole vector's slack
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -289,11 +365,16 @@ void argmax_rows(const RowCodes& rc, int64_t B, int64_t K, int64_t V, int64_t P,
       if (!rc.ok[r]) continue;
       __m512 lv = lower[r];
       for (int i = 1; i < nth; ++i) lv = _mm512_max_ps(lv, lower[i * B + r]);
-      const __m512 L = _mm512_set1_ps(edge<BF16>(_mm512_reduce_max_ps(lv)));
+      const float L0 = edge<BF16>(_mm512_reduce_max_ps(lv));
+      const __m512 L = _mm512_set1_ps(L0);
       int64_t count = 0;
       for (int64_t j = 0; j < V; j += NR) {
+        if (j % (GP * NR) == 0 && !(tops[(j / (GP * NR)) * B + r] >= L0)) {  // no candidate in this group
+          j += (GP - 1) * NR;
+          continue;
+        }
         const __mmask16 in = V - j >= NR ? __mmask16(0xFFFF) : __mmask16((1u << (V - j)) - 1);
-        const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hb + r * VP + j)));
+        const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hb + ((j / (GP * NR)) * B + r) * GP * NR + j % (GP * NR))));
         const __mmask16 m = _mm512_mask_cmp_ps_mask(in, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)), L, _CMP_GE_OQ);
         if (m) {  // rare: compress in a register (vpcompressd to memory is ~140 cycles on Zen 4)
           _mm512_storeu_si512(cand.data() + count, _mm512_maskz_compress_epi32(m, _mm512_add_epi32(lanes, _mm512_set1_epi32(int32_t(j)))));
@@ -301,9 +382,10 @@ void argmax_rows(const RowCodes& rc, int64_t B, int64_t K, int64_t V, int64_t P,
         }
       }
       pcnt[r] = int32_t(count);
-      ptok[r] = first_largest(cand.data(), count, [&](const int32_t* cols, int64_t n, float* out) { exact(r, cols, n, out); });
+      ptok[r] = first_largest(cand.data(), count, [&](const int32_t* cols, int64_t k, float* out) { exact(r, cols, k, out); });
     }
-  });
+  }
+  }
 }
 #endif
 }  // namespace
