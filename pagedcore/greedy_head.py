@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedcore import vnni_layout
+from pagedcore import huge_pages, vnni_layout
 from pagedcore.packed_linear import BF16_SLOTS
 
 PANEL = 16
@@ -74,6 +74,9 @@ class GreedyHead:
                 and embedding.shape == weight.shape and torch.equal(embedding, weight)
             self.weight = embedding if same else weight
         self.rows = self.exact = 0  # rows answered, logits computed exactly for them (stats)
+        # Every call streams the codes (28 MB on the bundled model) and reads the candidates' rows: in 4 KiB pages
+        # each 4 KiB of them is a TLB miss (as for the packed weights, huge_pages.py).
+        huge_pages.adopt([self.codes] + ([self.weight] if self.weight is not embedding else []))
 
     @classmethod
     def build(cls, ext, model: nn.Module) -> "GreedyHead | None":

@@ -111,6 +111,27 @@ def prefault(config, device: torch.device, dtype: torch.dtype) -> Prefault | Non
     return Prefault(ext, nbytes)
 
 
+def adopt(tensors: list[torch.Tensor]) -> int:
+    """Move tensors that own their storage whole (contiguous, made by the engine) into one huge-page buffer, in place;
+    returns the bytes moved (0 where too small or no C++ ops)."""
+    ext = cpu_ext.load()
+    tensors = [t for t in tensors if t.device.type == "cpu" and t.is_contiguous() and t.storage_offset() == 0
+               and t.untyped_storage().nbytes() == t.nbytes]
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += (t.nbytes + ALIGN - 1) // ALIGN * ALIGN
+    if total < MIN_BYTES or ext is None or not hasattr(ext, "huge_page_buffer"):
+        return 0
+    buffer = ext.huge_page_buffer(total)
+    storage = buffer.untyped_storage()
+    for t, off in zip(tensors, offsets):
+        buffer[off:off + t.nbytes].copy_(t.view(-1).view(torch.uint8))
+        with torch.no_grad():
+            t.set_(storage, off // t.element_size(), t.size(), t.stride())
+    return total
+
+
 def install(model: nn.Module, device: torch.device, prefaulted: Prefault | None = None) -> int:
     """Move the packed weights of `model` into huge pages (into `prefaulted`'s buffer where it is large enough);
     returns the bytes moved (0: nothing done)."""

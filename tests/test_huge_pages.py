@@ -91,3 +91,24 @@ def test_a_prefaulted_buffer_far_larger_than_needed_is_not_kept(ext):
 
 def test_estimates_only_the_model_types_it_knows():
     assert huge_pages.estimate_bytes({"model_type": "gpt2", "hidden_size": 8}, 2) is None
+
+
+def test_adopt_moves_whole_tensors_in_place_and_leaves_views(ext, monkeypatch):
+    """adopt (the greedy head's codes and rows): each tensor that owns its storage keeps its object and values in one
+    2 MiB-aligned buffer; a view into another tensor's storage, and anything under the size floor, stays put."""
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 1 << 20)
+    a = torch.arange(300_000, dtype=torch.int32)
+    b = torch.randn(700, 576).to(torch.bfloat16)
+    base = torch.randn(4, 100)
+    view = base[1:]
+    want_a, want_b, view_ptr = a.clone(), b.clone(), view.data_ptr()
+    moved = huge_pages.adopt([a, b, view])
+    assert moved >= a.nbytes + b.nbytes
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # one buffer
+    assert a.data_ptr() % (2 << 20) == 0 and b.data_ptr() % 64 == 0
+    assert torch.equal(a, want_a) and torch.equal(b, want_b)
+    assert view.data_ptr() == view_ptr
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 1 << 30)
+    small = torch.ones(10)
+    ptr = small.data_ptr()
+    assert huge_pages.adopt([small]) == 0 and small.data_ptr() == ptr
