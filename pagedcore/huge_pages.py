@@ -111,24 +111,38 @@ def prefault(config, device: torch.device, dtype: torch.dtype) -> Prefault | Non
     return Prefault(ext, nbytes)
 
 
+def _layout(by_storage: dict[int, list[torch.Tensor]]) -> tuple[dict[int, int], int]:
+    """Each storage's offset in one buffer (ALIGN apart) and the buffer's bytes."""
+    offsets, total = {}, 0
+    for ptr, ts in by_storage.items():
+        offsets[ptr] = total
+        total += (ts[0].untyped_storage().nbytes() + ALIGN - 1) // ALIGN * ALIGN
+    return offsets, total
+
+
+def _fill(buffer: torch.Tensor, by_storage: dict[int, list[torch.Tensor]], offsets: dict[int, int]) -> None:
+    """Copy each storage to its offset and point every tensor on it there, in place (`Tensor.set_`)."""
+    storage = buffer.untyped_storage()
+    for ptr, ts in by_storage.items():
+        off, n = offsets[ptr], ts[0].untyped_storage().nbytes()
+        buffer[off:off + n].copy_(torch.empty(0, dtype=torch.uint8).set_(ts[0].untyped_storage()))
+        for t in ts:
+            size = t.element_size()
+            with torch.no_grad():
+                t.set_(storage, off // size + t.storage_offset(), t.size(), t.stride())
+
+
 def adopt(tensors: list[torch.Tensor]) -> int:
     """Move tensors that own their storage whole (contiguous, made by the engine) into one huge-page buffer, in place;
     returns the bytes moved (0 where too small or no C++ ops)."""
     ext = cpu_ext.load()
-    tensors = [t for t in tensors if t.device.type == "cpu" and t.is_contiguous() and t.storage_offset() == 0
-               and t.untyped_storage().nbytes() == t.nbytes]
-    offsets, total = [], 0
-    for t in tensors:
-        offsets.append(total)
-        total += (t.nbytes + ALIGN - 1) // ALIGN * ALIGN
+    by_storage = {t.untyped_storage().data_ptr(): [t] for t in tensors
+                  if t.device.type == "cpu" and t.is_contiguous() and t.storage_offset() == 0
+                  and t.untyped_storage().nbytes() == t.nbytes}
+    offsets, total = _layout(by_storage)
     if total < MIN_BYTES or ext is None or not hasattr(ext, "huge_page_buffer"):
         return 0
-    buffer = ext.huge_page_buffer(total)
-    storage = buffer.untyped_storage()
-    for t, off in zip(tensors, offsets):
-        buffer[off:off + t.nbytes].copy_(t.view(-1).view(torch.uint8))
-        with torch.no_grad():
-            t.set_(storage, off // t.element_size(), t.size(), t.stride())
+    _fill(ext.huge_page_buffer(total), by_storage, offsets)
     return total
 
 
@@ -141,23 +155,12 @@ def install(model: nn.Module, device: torch.device, prefaulted: Prefault | None 
     by_storage: dict[int, list[torch.Tensor]] = {}
     for t in packed_tensors(model):
         by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
-    sizes = {ptr: ts[0].untyped_storage().nbytes() for ptr, ts in by_storage.items()}
-    offsets, total = {}, 0
-    for ptr, n in sizes.items():
-        offsets[ptr] = total
-        total += (n + ALIGN - 1) // ALIGN * ALIGN
+    offsets, total = _layout(by_storage)
     if total < MIN_BYTES:
         return 0
     buffer = prefaulted.take(total) if prefaulted is not None else None
     if buffer is None:
         buffer = ext.huge_page_buffer(total)
-    storage = buffer.untyped_storage()
-    for ptr, ts in by_storage.items():
-        off, n = offsets[ptr], sizes[ptr]
-        buffer[off:off + n].copy_(torch.empty(0, dtype=torch.uint8).set_(ts[0].untyped_storage()))
-        for t in ts:
-            size = t.element_size()
-            with torch.no_grad():
-                t.set_(storage, off // size + t.storage_offset(), t.size(), t.stride())
+    _fill(buffer, by_storage, offsets)
     logger.info("packed weights in huge pages: %.1f MiB in %d storages", total / 2**20, len(by_storage))
     return total

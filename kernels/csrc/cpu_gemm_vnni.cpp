@@ -228,9 +228,7 @@ constexpr int64_t DMC = 96;  // rows of x per cache block (96 bf16 rows of K <= 
 #define DP_PANELS(X, r) X(r, 0) X(r, 1) X(r, 2) X(r, 3)
 #define DP_ROWS_PANELS(X) DP_PANELS(X, 0) DP_PANELS(X, 1) DP_PANELS(X, 2) DP_PANELS(X, 3) DP_PANELS(X, 4) DP_PANELS(X, 5)
 inline __m512bh load_pairs(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
-// Row tile t of a block of m rows cut into `tiles` tiles of near-equal size (8 rows as 4 + 4, not 6 + 2: the 2-row
-// tile's 8 accumulators ran behind its loads, and 8-row decode steps took their weights' read + the tile's time).
-inline int64_t tile_start(int64_t m, int64_t tiles, int64_t t) { return t * (m / tiles) + std::min(t, m % tiles); }
+using zmm::tile_start;
 
 template <int R, int P>
 __attribute__((noinline)) void dp_kernel(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b, int64_t ps,

@@ -197,8 +197,7 @@ inline __m256i bf16_bits(__m512 v) {
 #endif
 }
 
-// Row tile t of m rows cut into `tiles` tiles of near-equal size (64 rows: 9 x 6 + 2 x 5, not 10 x 6 + 4).
-inline int64_t tile_start(int64_t m, int64_t tiles, int64_t t) { return t * (m / tiles) + std::min(t, m % tiles); }
+using zmm::tile_start;
 
 inline float bf16_to_float_bits(__m256i b) {
   return _mm512_cvtss_f32(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));

@@ -4,6 +4,7 @@
 // k * 16 (adjacent panels: hs = 2 ps; a fused gate/up weight's gate panels p, p + 1 beside up's p, p + 1: hs = the
 // up half's offset). Results go to c as P tiles of [6, 16].
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -71,6 +72,11 @@ inline void tile_zmm(int64_t rows, int64_t np, const float* a, int64_t ka, int64
     default: return tile_zmm_rows<6>(np, a, ka, ra, b, ps, hs, K, c, pf, pf_n, pf_every);
   }
 }
+
+// Row tile t of a block of m rows cut into `tiles` tiles of near-equal size (8 rows as 4 + 4, not 6 + 2: the 2-row
+// tile's 8 accumulators ran behind its loads, and 8-row decode steps took their weights' read + the tile's time; 64
+// rows as 9 x 6 + 2 x 5, not 10 x 6 + 4). The bf16 dp tiles' and the greedy head's.
+inline int64_t tile_start(int64_t m, int64_t tiles, int64_t t) { return t * (m / tiles) + std::min(t, m % tiles); }
 
 // The next panel group's `lines` cache lines asked for evenly over `steps` k steps (its row tiles): n lines every
 // `every` k. Crowded into the first tiles, at one line or more per k, they had the core wait on its line fill
