@@ -285,9 +285,22 @@ def one_token_prompt_rows(metadata: AttentionMetadata) -> list[int]:
     return [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1 and lens[i] <= prompts[i]]
 
 
+_ROWS: dict[int, torch.Tensor] = {}  # arange(n), int64: the rows of an all-decode step of n sequences
+
+
 def plan_ext_decode(metadata: AttentionMetadata, skip: list[int] = ()) -> ExtDecodePlan | None:
     """Every row of one query token but `skip`'s."""
     qsl = metadata.query_start_loc_cpu
+    n = len(metadata.seq_lens_cpu)
+    bt, lens = metadata.block_table, metadata.seq_lens
+    if not skip and qsl[-1] == n > 0 and bt.dtype == torch.int32 and bt.is_contiguous() and lens.dtype == torch.int32 \
+            and bt.device.type == "cpu":
+        # All decodes (the usual step): the batch's own block table and lengths as they are; no per-row Python and
+        # no copies (each torch op here runs with cold caches, after the step streamed the weights: ~20 us).
+        rows = _ROWS.get(n)
+        if rows is None:
+            rows = _ROWS[n] = torch.arange(n, dtype=torch.long)
+        return ExtDecodePlan(rows, bt, lens)
     skip = set(skip)
     decode = [i for i in range(len(metadata.seq_lens_cpu)) if qsl[i + 1] - qsl[i] == 1 and i not in skip]
     if not decode:

@@ -155,24 +155,25 @@ class DecodeStack:
         step's rows need nothing else) their argmax where the greedy head gives it; None if the step's rotary
         embedding is not over the whole head (the layers' own forward then runs it)."""
         hidden = self.base.embed_tokens(input_ids)
-        cos, sin = self._rotary(hidden, positions)
+        cos, sin = self._rotary(hidden, positions, ctx.metadata.common.max_seq_len)
         if cos.shape[-1] != self.head_dim or cos.dtype != hidden.dtype:
             return None
         out = self.stack.forward(hidden, cos, sin, ctx.metadata.common.slot_mapping, plan.rows, plan.block_table,
                                  plan.seq_lens, quantization.INT8_ACTIVATION_ROWS, self.onednn_rows)
-        hidden = self.base.norm(out[logits_indices])
+        # Every row one sequence's only query: all of them sample unless fewer are asked for.
+        hidden = self.base.norm(out if len(logits_indices) == len(out) else out[logits_indices])
         tokens = self.greedy_head.argmax(hidden) if argmax_only and self.greedy_head is not None else None
         return tokens if tokens is not None else self.model.lm_head(hidden)
 
 
-    def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, head_dim] of the positions, as the model's rotary module gives them."""
+    def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, head_dim] of the positions (each below max_seq_len), as the model's rotary module gives them."""
         rotary = self.base.rotary_emb
         if getattr(rotary, "rope_type", None) in STATIC_ROPE_TYPES:
             if self._rope_table is None or self._rope_table[0].dtype != hidden.dtype:
                 table = torch.arange(ROPE_TABLE_MAX, device=hidden.device)[None]
                 self._rope_table = tuple(t[0].contiguous() for t in rotary(hidden[None, :1], table))
-            if int(positions.max()) < ROPE_TABLE_MAX:
+            if max_seq_len <= ROPE_TABLE_MAX:
                 return tuple(t.index_select(0, positions) for t in self._rope_table)
         cos, sin = rotary(hidden[None], positions[None])
         return cos[0].contiguous(), sin[0].contiguous()

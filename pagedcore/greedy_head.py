@@ -117,7 +117,7 @@ class GreedyHead:
                                                       self.dims, self.wo)
         else:  # bf16 rows: x widened, exactly
             tokens, exact = self.ext.greedy_head(hidden.float(), self.codes, self.stats, self.weight)
-        if bool((tokens < 0).any()):
+        if int(tokens.min()) < 0:
             return None
         self.rows += len(tokens)
         self.exact += int(exact.sum())
@@ -126,9 +126,9 @@ class GreedyHead:
     def _track_outliers(self, hidden: torch.Tensor) -> None:
         """Pick the outlier dims again (and gather their weights: ~0.5 ms, strided) only when the step's largest |x|
         lies outside them: massive activations keep to their dims, and which dims are out changes the bound only."""
-        top = hidden.abs().amax(0).float()
+        top = hidden.abs().amax(0)
         if self.dims is not None and int(top.argmax()) in self._dim_set:
             return
-        self.dims = top.topk(min(OUTLIER_DIMS, top.numel())).indices.sort().values.to(torch.int32)
+        self.dims = top.float().topk(min(OUTLIER_DIMS, top.numel())).indices.sort().values.to(torch.int32)
         self._dim_set = set(self.dims.tolist())
         self.wo = self.ext.greedy_head_outliers(self.panels, self.dims)

@@ -174,13 +174,14 @@ class ModelRunner:
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
         """Build input ids, positions, the attention metadata, and which rows' logits to keep."""
         b = self.input_batch.apply(sched)  # persistent rows: only this step's changes are copied
-        dev = self.device
+        # On the CPU the tensors are used as they are: a .to() per tensor is an op each (~20 us with the caches cold).
+        to = (lambda t: t) if self.device.type == "cpu" else (lambda t: t.to(self.device))
         metadata = AttentionMetadata(
             num_tokens=b.num_tokens,
-            query_start_loc=b.query_start_loc.to(dev),
-            seq_lens=b.seq_lens.to(dev),
-            block_table=b.block_table.to(dev),
-            slot_mapping=b.slot_mapping.to(dev),
+            query_start_loc=to(b.query_start_loc),
+            seq_lens=to(b.seq_lens),
+            block_table=to(b.block_table),
+            slot_mapping=to(b.slot_mapping),
             max_query_len=b.max_query_len,
             max_seq_len=b.max_seq_len,
             query_start_loc_cpu=b.query_start_loc_cpu,
@@ -188,7 +189,7 @@ class ModelRunner:
             block_size=self.block_size,
             num_prompt_tokens_cpu=b.num_prompt_tokens_cpu,
         )
-        return ModelInput(b.input_ids.to(dev), b.positions.to(dev), metadata, b.logits_indices.to(dev), b.sample_rows)
+        return ModelInput(to(b.input_ids), to(b.positions), metadata, to(b.logits_indices), b.sample_rows)
 
     def _lora_mapping(self, sched: SchedulerOutput):
         """Each token's adapter slot for this step; None when no scheduled sequence uses an adapter."""
