@@ -90,6 +90,7 @@ class DecodeStack:
         partial = any(onednn) or any(getattr(i.module, "_pagedcore_onednn", None) is not None for i in self.installed)
         self.max_rows = rows - 1 if partial and not self.onednn_rows and rows else None
         self.greedy_head = GreedyHead.build(ext, model)
+        self._io_checks = self._set_io()
         if self.stack.exact_int4_linears:
             logger.info("decode stack: %d of %d linears are exactly 4-bit per group (a GGUF Q4_1 checkpoint's "
                         "weights): decode rows read them as int4", self.stack.exact_int4_linears, 4 * len(self.base.layers))
@@ -154,27 +155,76 @@ class DecodeStack:
         """Logits [len(logits_indices), vocab], as the model's forward gives them, or with `argmax_only` (the
         step's rows need nothing else) their argmax where the greedy head gives it; None if the step's rotary
         embedding is not over the whole head (the layers' own forward then runs it)."""
-        hidden = self.base.embed_tokens(input_ids)
-        cos, sin = self._rotary(hidden, positions, ctx.metadata.common.max_seq_len)
-        if cos.shape[-1] != self.head_dim or cos.dtype != hidden.dtype:
-            return None
-        out = self.stack.forward(hidden, cos, sin, ctx.metadata.common.slot_mapping, plan.rows, plan.block_table,
-                                 plan.seq_lens, quantization.INT8_ACTIVATION_ROWS, self.onednn_rows)
-        # Every row one sequence's only query: all of them sample unless fewer are asked for.
-        hidden = self.base.norm(out if len(logits_indices) == len(out) else out[logits_indices])
+        md = ctx.metadata.common
+        if self._io_checks is not None and md.max_seq_len <= self._rope_table[0].shape[0] and self._io_intact():
+            # The embedding, RoPE and final norm inside the stack's call (set_io): each was a torch op run with the
+            # caches cold (after the weights streamed), ~0.25 ms of a one-row step.
+            hidden = self.stack.forward_ids(input_ids, positions, md.slot_mapping, plan.rows, plan.block_table,
+                                            plan.seq_lens, quantization.INT8_ACTIVATION_ROWS, self.onednn_rows)
+        else:
+            hidden = self.base.embed_tokens(input_ids)
+            cos, sin = self._rotary(hidden, positions, md.max_seq_len)
+            if cos.shape[-1] != self.head_dim or cos.dtype != hidden.dtype:
+                return None
+            hidden = self.base.norm(self.stack.forward(hidden, cos, sin, md.slot_mapping, plan.rows, plan.block_table,
+                                                       plan.seq_lens, quantization.INT8_ACTIVATION_ROWS,
+                                                       self.onednn_rows))
+        # Every row one sequence's only query: all of them sample unless fewer are asked for (the norm is per row).
+        if len(logits_indices) != len(hidden):
+            hidden = hidden[logits_indices]
         tokens = self.greedy_head.argmax(hidden) if argmax_only and self.greedy_head is not None else None
         return tokens if tokens is not None else self.model.lm_head(hidden)
+
+    def _set_io(self) -> tuple | None:
+        """Give the stack the embedding table, RoPE tables and final norm weight that the model's own modules use,
+        where the stack computes exactly what they do: a plain embedding (or the tied one's lookup in the greedy
+        head's rows, packed_linear._panel_lookup), a position-only rotary embedding, the fused RMSNorm. Returns
+        what must stay in place for that ((dicts, keys, values) as _intact checks), or None."""
+        embed, norm, head = self.base.embed_tokens, self.base.norm, getattr(self.model, "lm_head", None)
+        forward = embed.__dict__.get("forward")
+        if type(embed) is nn.Embedding and forward is None:
+            table, source = embed.weight.detach(), (embed._parameters, "weight", embed.weight)
+        elif "_panel_lookup" in getattr(forward, "__qualname__", "") and head is not None:
+            rows = head.__dict__.get("_pagedcore_rows")
+            if rows is None or rows[0] is not getattr(head, "_pagedcore_packed", None):
+                return None
+            table, source = rows[1], (head.__dict__, "_pagedcore_rows", rows)
+        else:
+            return None
+        weight = getattr(norm, "weight", None)
+        if "_fused_rmsnorm" not in getattr(norm.__dict__.get("forward"), "__qualname__", "") or weight is None \
+                or getattr(self.base.rotary_emb, "rope_type", None) not in STATIC_ROPE_TYPES:
+            return None
+        dtype = weight.dtype
+        cos, sin = self._rope_tables(dtype)
+        if table.dtype != dtype or table.dim() != 2 or not table.is_contiguous() or cos.shape[-1] != self.head_dim:
+            return None
+        self.stack.set_io(table, cos, sin, weight.detach(), norm.variance_epsilon)
+        self.installed += [_Installed.of(self.base, "embed_tokens"), _Installed.of(self.base, "norm")]
+        self._checks = None
+        return ([source[0], norm._parameters], [source[1], "weight"], [source[2], weight])
+
+    def _io_intact(self) -> bool:
+        """The embedding table and final norm weight given to set_io are still the ones the modules use."""
+        dicts, keys, values = self._io_checks
+        return all(map(operator.is_, map(dict.get, dicts, keys), values))
+
+    def _rope_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [ROPE_TABLE_MAX, head_dim] in `dtype`, made once by the model's rotary module."""
+        if self._rope_table is None or self._rope_table[0].dtype != dtype:
+            positions = torch.arange(ROPE_TABLE_MAX)[None]  # the rotary module reads only x's dtype and device
+            self._rope_table = tuple(t[0].contiguous() for t in self.base.rotary_emb(torch.zeros(1, 1, dtype=dtype),
+                                                                                     positions))
+        return self._rope_table
 
 
     def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, head_dim] of the positions (each below max_seq_len), as the model's rotary module gives them."""
         rotary = self.base.rotary_emb
         if getattr(rotary, "rope_type", None) in STATIC_ROPE_TYPES:
-            if self._rope_table is None or self._rope_table[0].dtype != hidden.dtype:
-                table = torch.arange(ROPE_TABLE_MAX, device=hidden.device)[None]
-                self._rope_table = tuple(t[0].contiguous() for t in rotary(hidden[None, :1], table))
-            if max_seq_len <= ROPE_TABLE_MAX:
-                return tuple(t.index_select(0, positions) for t in self._rope_table)
+            table = self._rope_tables(hidden.dtype)
+            if max_seq_len <= table[0].shape[0]:
+                return tuple(t.index_select(0, positions) for t in table)
         cos, sin = rotary(hidden[None], positions[None])
         return cos[0].contiguous(), sin[0].contiguous()
 

@@ -52,7 +52,6 @@ class GreedyHead:
         self.dtype = panels.dtype
         self.colsum = None
         self.dims = self.wo = None  # the bf16 head's outlier dims and their weights, kept while they stay the largest
-        self._dim_set: set[int] = set()
         self.panels = panels  # the codes' source: a head re-pointed since (fused_projections) takes the logits path
         if self.dtype == torch.bfloat16 and not vnni_layout.is_packed(panels):  # plain panels (AVX2): bf16 rows
             self.weight = panels[:, :, list(BF16_SLOTS)].permute(0, 2, 1).reshape(-1, panels.shape[1])[:vocab_size]
@@ -112,23 +111,31 @@ class GreedyHead:
         if self.head.__dict__.get("_pagedcore_packed") is not self.panels:  # re-pointed since
             return None
         if self.colsum is not None:
-            self._track_outliers(hidden)
-            tokens, exact = self.ext.greedy_head_bf16(hidden, self.codes, self.stats, self.colsum, self.weight,
-                                                      self.dims, self.wo)
+            # The outlier dims are picked again (and their weights gathered: ~0.5 ms, strided) only when the step's
+            # largest |x| lies outside them (the kernel says so before computing anything): massive activations keep
+            # to their dims, and which dims are out changes the bound only. The checks run in the kernel's call: as
+            # torch ops they ran with the caches cold, after the weights streamed.
+            if self.dims is None:
+                self._pick_outliers(hidden)
+            step = self.ext.greedy_head_bf16_step
+            tokens, exact, _ = step(hidden, self.codes, self.stats, self.colsum, self.weight, self.dims, self.wo)
+            if exact < 0:
+                self._pick_outliers(hidden)
+                tokens, exact, _ = step(hidden, self.codes, self.stats, self.colsum, self.weight, self.dims, self.wo,
+                                        check_dims=False)
+            if tokens is None:
+                return None
         else:  # bf16 rows: x widened, exactly
-            tokens, exact = self.ext.greedy_head(hidden.float(), self.codes, self.stats, self.weight)
-        if int(tokens.min()) < 0:
-            return None
+            tokens, counts = self.ext.greedy_head(hidden.float(), self.codes, self.stats, self.weight)
+            if int(tokens.min()) < 0:
+                return None
+            exact = int(counts.sum())
         self.rows += len(tokens)
-        self.exact += int(exact.sum())
+        self.exact += exact
         return ArgmaxTokens(tokens)
 
-    def _track_outliers(self, hidden: torch.Tensor) -> None:
-        """Pick the outlier dims again (and gather their weights: ~0.5 ms, strided) only when the step's largest |x|
-        lies outside them: massive activations keep to their dims, and which dims are out changes the bound only."""
-        top = hidden.abs().amax(0)
-        if self.dims is not None and int(top.argmax()) in self._dim_set:
-            return
-        self.dims = top.float().topk(min(OUTLIER_DIMS, top.numel())).indices.sort().values.to(torch.int32)
-        self._dim_set = set(self.dims.tolist())
+    def _pick_outliers(self, hidden: torch.Tensor) -> None:
+        """The dims of the step's largest |x| (OUTLIER_DIMS of them), and their weights."""
+        top = hidden.abs().amax(0).float()
+        self.dims = top.topk(min(OUTLIER_DIMS, top.numel())).indices.sort().values.to(torch.int32)
         self.wo = self.ext.greedy_head_outliers(self.panels, self.dims)

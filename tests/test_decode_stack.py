@@ -50,8 +50,8 @@ def _run(model_dir, prompts=PROMPTS, params=GREEDY, before=None, **settings):
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = [(c.token_ids, [{t: lp.logprob for t, lp in s.items()} for s in c.logprobs])
-                                        for c in out.outputs]
+                done[out.request_id] = [(c.token_ids, c.logprobs and [{t: lp.logprob for t, lp in s.items()}
+                                                                      for s in c.logprobs]) for c in out.outputs]
     assert engine.kv.num_free_blocks == engine.kv.num_blocks, "KV blocks leaked"
     return engine, [done[i] for i in ids]
 
@@ -227,3 +227,100 @@ def test_stack_phase_timers_change_nothing_and_count_its_steps(tiny_model_dir, s
     assert steps == sum(stack_steps[plain_steps:]) > 0
     assert gemm > 0 and attention > 0 and other > 0
     assert stack.take_profile() == (0.0, 0.0, 0.0, 0)  # taken: reset
+
+
+@pytest.fixture
+def io_steps(monkeypatch):
+    """One entry per stack step: whether it ran through forward_ids (embedding, RoPE and final norm inside)."""
+    calls = []
+    original = DecodeStack._io_intact
+
+    def counted(self):
+        ok = original(self)
+        calls.append(ok)
+        return ok
+
+    monkeypatch.setattr(DecodeStack, "_io_intact", counted)
+    return calls
+
+
+def _tied_llama(tmp_path, smollm2_tokenizer):
+    from test_int4_tied_embedding import tied_llama_dir
+
+    return tied_llama_dir(tmp_path, smollm2_tokenizer)
+
+
+@pytest.mark.parametrize("case", ["fp32", "bf16", "bf16-vnni-tied"])
+def test_stack_ids_path_equals_the_modules_path(tiny_model_dir, tmp_path, smollm2_tokenizer, stack_steps, io_steps,
+                                                monkeypatch, case):
+    """forward_ids (the embedding rows, RoPE table rows and final norm looked up and applied in the stack's call)
+    gives what the modules give around forward: equal tokens and logprobs, with the greedy head (the tied case: its
+    rows are the embedding's table) and without."""
+    from pagedcore import vnni_layout
+
+    if case == "bf16-vnni-tied":
+        monkeypatch.setattr(vnni_layout, "SETTING", "on")
+        model_dir = _tied_llama(tmp_path, smollm2_tokenizer)
+    else:
+        model_dir = tiny_model_dir("llama")
+    dtype = "float32" if case == "fp32" else "bfloat16"
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    set_io = DecodeStack._set_io
+    for params in (GREEDY, greedy):  # logprobs: the lm_head's logits; none: the greedy head where it runs
+        io_steps.clear()
+        engine, got = _run(model_dir, params=params, dtype=dtype, decode_stack=True)
+        assert engine.runner.decode_stack._io_checks is not None and sum(io_steps) >= params.max_tokens - 1
+        if case == "bf16-vnni-tied" and params is greedy:
+            assert engine.runner.decode_stack.greedy_head.rows > 0  # its rows served the embedding too
+        monkeypatch.setattr(DecodeStack, "_set_io", lambda self: None)
+        io_steps.clear()
+        _, want = _run(model_dir, params=params, dtype=dtype, decode_stack=True)
+        assert not io_steps and got == want
+        monkeypatch.setattr(DecodeStack, "_set_io", set_io)
+
+
+def test_stack_ids_path_steps_aside_for_a_replaced_norm_weight_or_module(tiny_model_dir, stack_steps, io_steps):
+    """A final norm weight re-pointed after the engine started: the modules' path (still the stack); the embedding
+    module replaced: the layers (the stack stands in for it no more). Tokens as without the stack either way."""
+    model_dir = tiny_model_dir("llama")
+    _, want = _run(model_dir, decode_stack=False, dtype="float32")
+
+    def new_norm_weight(engine):
+        norm = engine.model.model.norm
+        norm.weight = torch.nn.Parameter(norm.weight.detach().clone(), requires_grad=False)
+
+    _, got = _run(model_dir, decode_stack=True, dtype="float32", before=new_norm_weight)
+    assert got == want and any(stack_steps) and io_steps and not any(io_steps)
+    stack_steps.clear()
+
+    def new_embedding(engine):
+        old = engine.model.model.embed_tokens
+        new = torch.nn.Embedding(*old.weight.shape, dtype=old.weight.dtype)
+        new.weight.data.copy_(old.weight)
+        engine.model.model.embed_tokens = new
+
+    _, got = _run(model_dir, decode_stack=True, dtype="float32", before=new_embedding)
+    assert got == want and not stack_steps
+
+
+def test_stack_ids_path_rejects_bad_ids(ext):
+    """An id past the vocabulary or a position past the RoPE table: a clear error before any thread starts."""
+    stack = ext.DecodeStack(hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=32)
+    w = lambda n, k: (ext.pack_linear_weight(torch.randn(n, k)), None, None, n, 0, 0, False)  # noqa: E731
+    cache = torch.zeros(4, 16, 1, 16)
+    norm = torch.ones(32)
+    stack.add_layer(norm, 1e-6, norm, 1e-6, 0.25, 0, cache, cache.clone(), w(64, 32), w(32, 32), w(64, 32), w(32, 32))
+    with pytest.raises(RuntimeError, match="set_io first"):
+        stack.forward_ids(torch.tensor([0]), torch.tensor([0]), torch.tensor([0]), torch.tensor([0]),
+                          torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0, 0)
+    emb, cos = torch.randn(10, 32), torch.ones(8, 16)
+    stack.set_io(emb, cos, cos.clone(), norm, 1e-6)
+    args = (torch.tensor([0]), torch.tensor([0]), torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+            0, 0)
+    with pytest.raises(RuntimeError, match="token id 10 out of range"):
+        stack.forward_ids(torch.tensor([10]), torch.tensor([0]), *args)
+    with pytest.raises(RuntimeError, match="position 8 past the RoPE table"):
+        stack.forward_ids(torch.tensor([3]), torch.tensor([8]), *args)
+    out = stack.forward_ids(torch.tensor([3]), torch.tensor([0]), *args)
+    ref = ext.rms_norm(stack.forward(emb[3:4].clone(), cos[:1], cos[:1], *args), norm, 1e-6)
+    assert torch.equal(out, ref)

@@ -119,6 +119,37 @@ def test_bf16_equals_the_full_logits_argmax(vocab, k, rows):
 
 
 @needs_bf16
+def test_bf16_step_checks_its_dims_then_answers_as_the_kernel():
+    """greedy_head_bf16_step (a decode step's call): the dim of x's largest |value| as torch finds it (a NaN's first);
+    nothing computed where that dim is not among the outlier dims (unless told to); else the kernel's tokens and the
+    sum of its exact counts, or None where a row gave -1."""
+    g = torch.Generator().manual_seed(11)
+    vocab, k = 4099, 576
+    weight = torch.randn(vocab, k, generator=g) * 0.1
+    x = (torch.randn(5, k, generator=g) * 3).bfloat16()
+    x[2, 77] = 40.0
+    panels = ext.pack_linear_weight_vnni(weight.bfloat16())
+    codes, stats, colsum = ext.greedy_head_pack_bf16(panels, vocab)
+    rows = weight.bfloat16().contiguous()
+    top = int(x.abs().amax(0).float().argmax())
+    assert top == 77
+    dims = x.abs().amax(0).float().topk(OUTLIER_DIMS).indices.sort().values.to(torch.int32)
+    wo = ext.greedy_head_outliers(panels, dims)
+    tokens, counts = ext.greedy_head_bf16(x, codes, stats, colsum, rows, dims, wo)
+    got, exact, dim = ext.greedy_head_bf16_step(x, codes, stats, colsum, rows, dims, wo)
+    assert torch.equal(got, tokens) and exact == int(counts.sum()) and dim == 77
+    others = torch.tensor([d for d in range(k) if d != 77][:OUTLIER_DIMS], dtype=torch.int32)
+    wo2 = ext.greedy_head_outliers(panels, others)
+    assert ext.greedy_head_bf16_step(x, codes, stats, colsum, rows, others, wo2) == (None, -1, 77)
+    got, exact, _ = ext.greedy_head_bf16_step(x, codes, stats, colsum, rows, others, wo2, check_dims=False)
+    assert torch.equal(got, full_argmax(x, panels, vocab)) and exact >= 5
+    x[1, 5], x[3, 3] = float("nan"), float("nan")
+    assert int(x.abs().amax(0).float().argmax()) == 3  # torch: the first NaN
+    got, exact, dim = ext.greedy_head_bf16_step(x, codes, stats, colsum, rows, dims, wo, check_dims=False)
+    assert got is None and dim == 3
+
+
+@needs_bf16
 def test_bf16_ties_after_rounding_and_outliers():
     """bf16 logits tie far more often than fp32 ones: columns whose logits differ below a bf16 ulp, or not at all,
     must go to the lowest index; and a few huge dims coarsen the uint8 codes of the rest."""

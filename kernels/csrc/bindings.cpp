@@ -48,6 +48,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "source, or -1 where x or a candidate logit is not finite; how many logits were computed exactly)",
         py::arg("x"), py::arg("codes"), py::arg("stats"), py::arg("colsum"), py::arg("rows"), py::arg("dims"),
         py::arg("wo"));
+  m.def("greedy_head_bf16_step", &greedy_head_bf16_step,
+        "greedy_head_bf16 as a decode step runs it: (tokens, or None where a row gave -1; the exact logits in all; the "
+        "dim of x's largest |value|); with check_dims, (None, -1, that dim) without computing where it is not in dims",
+        py::arg("x"), py::arg("codes"), py::arg("stats"), py::arg("colsum"), py::arg("rows"), py::arg("dims"),
+        py::arg("wo"), py::arg("check_dims") = true, py::call_guard<py::gil_scoped_release>());
   m.def("greedy_head_outliers", &greedy_head_outliers,
         "the weights of dims (int32 [n]) of bf16 VNNI panels [P, K / 2, 32], in pairs of dims [P, ceil(n / 2), 32] "
         "(an odd n's last paired with 0): greedy_head_bf16's outlier dims, kept out of x's codes");

@@ -285,6 +285,63 @@ class DecodeStack {
     return b.residual;
   }
 
+  // The model's token embedding [V, H], RoPE tables cos, sin [N, head_dim] (row p: position p) and final norm, for
+  // forward_ids; all in the layers' dtype.
+  void set_io(torch::Tensor embedding, torch::Tensor cos_table, torch::Tensor sin_table, torch::Tensor norm_weight,
+              double norm_eps) {
+    TORCH_CHECK(!layers_.empty(), "set_io after the layers");
+    const auto dtype = layers_.front().in_norm.scalar_type();
+    TORCH_CHECK(embedding.dim() == 2 && embedding.size(1) == H_ && embedding.is_contiguous() &&
+                    embedding.scalar_type() == dtype, "embedding: contiguous [V, hidden] in the layers' dtype");
+    TORCH_CHECK(cos_table.dim() == 2 && cos_table.size(1) == d_ && cos_table.is_contiguous() &&
+                    cos_table.scalar_type() == dtype && sin_table.sizes() == cos_table.sizes() &&
+                    sin_table.is_contiguous() && sin_table.scalar_type() == dtype,
+                "cos, sin tables: contiguous [positions, head_dim] in the layers' dtype");
+    TORCH_CHECK(norm_weight.numel() == H_ && norm_weight.is_contiguous() && norm_weight.scalar_type() == dtype,
+                "final norm weight: [hidden] in the layers' dtype");
+    io_ = {embedding, cos_table, sin_table, norm_weight, float(norm_eps)};
+    has_io_ = true;
+  }
+
+  // forward from token ids and positions: the embedding rows and the RoPE tables' rows looked up here, and the final
+  // norm applied to the result (rms_norm_row, as the fused norm op computes it). One call a step, where the lookups
+  // and the norm were four torch ops, each run with cold caches after the weights streamed (~50-100 us each).
+  torch::Tensor forward_ids(torch::Tensor input_ids, torch::Tensor positions, torch::Tensor slot_mapping,
+                            torch::Tensor rows, torch::Tensor block_table, torch::Tensor seq_lens, int64_t int8_rows,
+                            int64_t onednn_rows) {
+    TORCH_CHECK(has_io_, "forward_ids: set_io first");
+    const int64_t T = input_ids.numel();
+    TORCH_CHECK(input_ids.scalar_type() == at::kLong && input_ids.is_contiguous() && positions.scalar_type() == at::kLong &&
+                    positions.is_contiguous() && positions.numel() == T, "input_ids, positions: int64 [T]");
+    const int64_t V = io_.embedding.size(0), N = io_.cos.size(0);
+    const int64_t *ids = input_ids.data_ptr<int64_t>(), *pos = positions.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(ids[t] >= 0 && ids[t] < V, "token id ", ids[t], " out of range (vocabulary of ", V, ")");
+      TORCH_CHECK(pos[t] >= 0 && pos[t] < N, "position ", pos[t], " past the RoPE table (", N, ")");
+    }
+    auto opts = io_.embedding.options();
+    auto hidden = torch::empty({T, H_}, opts), cos = torch::empty({T, d_}, opts), sin = torch::empty({T, d_}, opts);
+    const int64_t es = io_.embedding.element_size();
+    for (int64_t t = 0; t < T; ++t) {
+      std::memcpy(static_cast<char*>(hidden.data_ptr()) + t * H_ * es,
+                  static_cast<const char*>(io_.embedding.data_ptr()) + ids[t] * H_ * es, H_ * es);
+      std::memcpy(static_cast<char*>(cos.data_ptr()) + t * d_ * es,
+                  static_cast<const char*>(io_.cos.data_ptr()) + pos[t] * d_ * es, d_ * es);
+      std::memcpy(static_cast<char*>(sin.data_ptr()) + t * d_ * es,
+                  static_cast<const char*>(io_.sin.data_ptr()) + pos[t] * d_ * es, d_ * es);
+    }
+    auto res = forward(hidden, cos, sin, slot_mapping, rows, block_table, seq_lens, int8_rows, onednn_rows);
+    auto out = torch::empty_like(res);
+    auto norm = [&](auto* x, auto* o, const auto* w) {
+      for (int64_t t = 0; t < T; ++t) rms_norm_row(x + t * H_, w, o + t * H_, H_, io_.eps);
+    };
+    if (res.scalar_type() == at::kFloat)
+      norm(res.data_ptr<float>(), out.data_ptr<float>(), io_.norm.data_ptr<float>());
+    else
+      norm(res.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), io_.norm.data_ptr<c10::BFloat16>());
+    return out;
+  }
+
   int64_t num_layers() const { return int64_t(layers_.size()); }
 
   // Linears kept with an exact int4 form too (cpu_exact_int4.cpp), and up to how many rows it runs (0: never).
@@ -530,8 +587,14 @@ class DecodeStack {
         res[t * H + j] = static_cast<X>(static_cast<float>(res[t * H + j]) + static_cast<float>(down[t * H + j]));
   }
 
+  struct Io {
+    torch::Tensor embedding, cos, sin, norm;
+    float eps = 0.f;
+  };
   int64_t H_, hq_, hkv_, d_, I_;
   std::vector<StackLayer> layers_;
+  Io io_;
+  bool has_io_ = false;
   bool profiling_ = false;
   int64_t exact_rows_ = kExactRows;
   std::array<double, 3> profile_{0.0, 0.0, 0.0};
@@ -550,6 +613,8 @@ void bind_decode_stack(py::module& m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("add_onednn", &DecodeStack::add_onednn)
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
+      .def("set_io", &DecodeStack::set_io)
+      .def("forward_ids", &DecodeStack::forward_ids, py::call_guard<py::gil_scoped_release>())
       .def("set_profiling", &DecodeStack::set_profiling)
       .def("take_profile", &DecodeStack::take_profile)
       .def("set_exact_int4_rows", &DecodeStack::set_exact_int4_rows)

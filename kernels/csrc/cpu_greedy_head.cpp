@@ -572,3 +572,41 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_head_bf16(torch::Tensor x, torch
 #endif
   return {tokens, counts};
 }
+
+// The dim of x's largest |value| over all rows, as torch's abs().amax(0).argmax() gives it: the first such dim, a NaN
+// counting as the largest (the first NaN's dim). Compared as bits: |x| as bf16 bits orders as its value, every NaN
+// above +inf (and -ffast-math may fold isnan away).
+static int64_t largest_dim(const c10::BFloat16* x, int64_t B, int64_t K) {
+  std::vector<uint16_t> m(K, 0);
+  for (int64_t r = 0; r < B; ++r)
+    for (int64_t k = 0; k < K; ++k) {
+      const uint16_t v = x[r * K + k].x & 0x7fff;
+      if (m[k] <= 0x7f80) m[k] = std::max(m[k], v);  // a NaN (> 0x7f80) stays
+    }
+  auto nan = [](uint16_t v) { return v > 0x7f80; };
+  int64_t best = 0;
+  for (int64_t k = 1; k < K; ++k)
+    if (nan(m[k]) ? !nan(m[best]) : (!nan(m[best]) && m[k] > m[best])) best = k;
+  return best;
+}
+
+std::tuple<c10::optional<torch::Tensor>, int64_t, int64_t> greedy_head_bf16_step(torch::Tensor x, torch::Tensor codes,
+                                                                                  torch::Tensor stats, torch::Tensor colsum,
+                                                                                  torch::Tensor rows, torch::Tensor dims,
+                                                                                  torch::Tensor wo, bool check_dims) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: bf16 [B, K]");
+  const auto xc = x.contiguous();
+  const int64_t top = largest_dim(xc.data_ptr<c10::BFloat16>(), xc.size(0), xc.size(1));
+  if (check_dims) {
+    TORCH_CHECK(dims.dim() == 1 && dims.scalar_type() == at::kInt && dims.is_contiguous(), "dims: int32 [n]");
+    const int32_t* pd = dims.data_ptr<int32_t>();
+    if (std::find(pd, pd + dims.numel(), int32_t(top)) == pd + dims.numel()) return {c10::nullopt, -1, top};
+  }
+  auto [tokens, counts] = greedy_head_bf16(xc, codes, stats, colsum, rows, dims, wo);
+  const int64_t* pt = tokens.data_ptr<int64_t>();
+  const int32_t* pc = counts.data_ptr<int32_t>();
+  int64_t exact = 0;
+  bool ok = true;
+  for (int64_t r = 0; r < tokens.numel(); ++r) exact += pc[r], ok = ok && pt[r] >= 0;
+  return {ok ? c10::optional<torch::Tensor>(tokens) : c10::nullopt, exact, top};
+}

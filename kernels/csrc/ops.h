@@ -91,3 +91,9 @@ torch::Tensor greedy_head_outliers(torch::Tensor panels, torch::Tensor dims);
 std::tuple<torch::Tensor, torch::Tensor> greedy_head_bf16(torch::Tensor x, torch::Tensor codes, torch::Tensor stats,
                                                           torch::Tensor colsum, torch::Tensor rows, torch::Tensor dims,
                                                           torch::Tensor wo);
+// greedy_head_bf16 for a step: (the tokens, or None where one is -1; the exact logits computed in all; the dim of x's
+// largest |value|), and with check_dims nothing computed (None, -1, that dim) where that dim is not among dims.
+std::tuple<c10::optional<torch::Tensor>, int64_t, int64_t> greedy_head_bf16_step(torch::Tensor x, torch::Tensor codes,
+                                                                                  torch::Tensor stats, torch::Tensor colsum,
+                                                                                  torch::Tensor rows, torch::Tensor dims,
+                                                                                  torch::Tensor wo, bool check_dims);
