@@ -147,8 +147,7 @@ class DecodeStack:
                 keys += [i.name, "forward"]
                 values += [i.module, i.forward]
             self._checks = dicts, keys, values
-        dicts, keys, values = self._checks
-        return all(map(operator.is_, map(dict.get, dicts, keys), values))  # C loops: ~0.2 -> ~0.03 ms a step
+        return _in_place(self._checks)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, ctx,
                  plan: ExtDecodePlan, argmax_only: bool = False) -> torch.Tensor | ArgmaxTokens | None:
@@ -206,8 +205,7 @@ class DecodeStack:
 
     def _io_intact(self) -> bool:
         """The embedding table and final norm weight given to set_io are still the ones the modules use."""
-        dicts, keys, values = self._io_checks
-        return all(map(operator.is_, map(dict.get, dicts, keys), values))
+        return _in_place(self._io_checks)
 
     def _rope_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [ROPE_TABLE_MAX, head_dim] in `dtype`, made once by the model's rotary module."""
@@ -227,6 +225,13 @@ class DecodeStack:
                 return tuple(t.index_select(0, positions) for t in table)
         cos, sin = rotary(hidden[None], positions[None])
         return cos[0].contiguous(), sin[0].contiguous()
+
+
+def _in_place(checks: tuple[list, list, list]) -> bool:
+    """dicts[i][keys[i]] is values[i] for every i, in C loops over plain dict lookups (a Python loop took ~0.2 ms a
+    step where these take ~0.02 ms with warm caches; ~0.2 ms cold, after a step streamed the weights)."""
+    dicts, keys, values = checks
+    return all(map(operator.is_, map(dict.get, dicts, keys), values))
 
 
 def _onednn_linears(layer: nn.Module) -> tuple | None:
