@@ -23,7 +23,7 @@ from test_triton_server import MODEL, StreamClient, free_ports, infer_inputs, is
 
 pytestmark = pytest.mark.slow
 
-SETTINGS = dict(dtype="float32", num_kv_blocks=64, block_size=8, max_num_seqs=8, num_threads=1,
+SETTINGS = dict(dtype="float32", num_kv_blocks=512, block_size=8, max_num_seqs=8, num_threads=1,
                 max_concurrent_requests=2, payload_limit=100_000)
 TIMEOUT = 120
 
@@ -43,7 +43,7 @@ def server(tmp_path_factory, tiny_model_dir):
     http, grpc, metrics = free_ports(3)
     log = tmp_path_factory.mktemp("triton-limits") / "tritonserver.log"
     server = TritonServer(http_port=http, grpc_port=grpc, metrics_port=metrics, log_path=log,
-                          engine_settings={**SETTINGS, "model": str(tiny_model_dir("llama"))})
+                          engine_settings={**SETTINGS, "model": str(tiny_model_dir("llama-long"))})
     server.start()
     try:
         server.wait_ready(timeout=150)
@@ -192,7 +192,7 @@ def test_over_limit_refusals_show_on_metrics_by_reason(server, client):
 
 # ---- overload and timeouts: UNAVAILABLE ---------------------------------------------------------------------
 def test_overload_is_unavailable_at_once_and_the_gauges_return_to_0(server, client):
-    long = greedy(400, ignore_eos=True)
+    long = greedy(2000, ignore_eos=True)  # in flight until cancelled, however fast the steps
     holders = [grpcclient.InferenceServerClient(server.grpc_url) for _ in range(2)]
     firsts = []
     try:
