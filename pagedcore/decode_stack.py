@@ -37,7 +37,7 @@ from torch import nn
 from pagedcore import fused_projections, lean_layers, onednn_linear, quantization, vnni_layout
 from pagedcore.greedy_head import ArgmaxTokens, GreedyHead
 from pagedcore.kernels import cpu_ext, kv_quant
-from pagedcore.kernels.cpu_attention import ExtDecodePlan, _ext_plan, prompt_rows_of_one_token
+from pagedcore.kernels.ext_decode_plan import ExtDecodePlan, _ext_plan, prompt_rows_of_one_token
 from pagedcore.quantization import Int4Linear, Int8Linear
 
 logger = logging.getLogger("pagedcore")

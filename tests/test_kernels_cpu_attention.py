@@ -215,7 +215,7 @@ def test_decode_stack_prefetches_exactly_the_kv_rows_each_threads_items_read(win
     are the K and V rows its planned attention items read (inside the window), each line once, for any thread
     count; blocks adjacent in memory merge into one span."""
     from pagedcore.kernels import cpu_ext
-    from pagedcore.kernels.cpu_attention import plan_ext_decode
+    from pagedcore.kernels.ext_decode_plan import plan_ext_decode
 
     _ext_or_skip()
     ext = cpu_ext.load()

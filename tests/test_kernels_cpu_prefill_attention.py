@@ -127,7 +127,7 @@ def test_a_prompts_one_token_is_not_a_decode_row():
     """A row of one query token inside its prompt (its last token alone after a prefix-cache hit) is a prompt row:
     the decode plan leaves it out, so the prefill kernel computes it as it does the whole prompt."""
     from pagedcore.attention.backend import AttentionMetadata
-    from pagedcore.kernels.cpu_attention import one_token_prompt_rows, plan_ext_decode
+    from pagedcore.kernels.ext_decode_plan import one_token_prompt_rows, plan_ext_decode
 
     qsl, lens, prompts = [0, 1, 2, 3, 11], [33, 40, 1, 20], [33, 30, 1, 20]  # tail, decode, 1-token prompt, prompt
     md = AttentionMetadata(
