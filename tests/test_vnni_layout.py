@@ -53,11 +53,12 @@ def test_a_row_is_the_same_bits_in_any_call(ext):
     w, x = torch.randn(200, 576, dtype=torch.bfloat16), torch.randn(300, 576, dtype=torch.bfloat16)
     packed = ext.pack_linear_weight_vnni(w)
     many = ext.packed_linear(x, packed, 200, None)
-    for r0, r1 in ((0, 1), (5, 13), (100, 200), (290, 300)):
+    for r0, r1 in ((0, 1), (2, 6), (5, 13), (100, 200), (290, 300)):
         assert torch.equal(ext.packed_linear(x[r0:r1], packed, 200, None), many[r0:r1])
     gate_up = ext.pack_linear_weight_vnni(torch.randn(192, 576, dtype=torch.bfloat16))
     many = ext.packed_linear_silu_mul(x, gate_up, 192, None)
-    assert torch.equal(ext.packed_linear_silu_mul(x[7:19], gate_up, 192, None), many[7:19])
+    for r0, r1 in ((7, 19), (0, 1), (3, 7)):  # up to 4 rows the vdpbf16ps tiles read panels one at a time
+        assert torch.equal(ext.packed_linear_silu_mul(x[r0:r1], gate_up, 192, None), many[r0:r1])
 
 
 def test_fp32_input_is_rounded_to_bf16(ext):
