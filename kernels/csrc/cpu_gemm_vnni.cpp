@@ -11,7 +11,7 @@
 // tile once per input step; more rows run two panels x two row tiles.
 // CPUs without AMX but with AVX512-BF16 (AMD Zen 4) run vdpbf16ps tiles of 6 rows x 4 panels over the same layout:
 // one pair row is one zmm (twice the multiply-adds of an fp32 FMA, no widening; 0.38-0.42 TFLOP/s at 512 rows on 2
-// cores against the widened panels' 0.18-0.20). Other CPUs run a scalar loop over it (the engine picks the layout
+// cores against the widened panels' 0.18-0.20); up to 4 rows a panel at a time (kSeqRows). Other CPUs run a scalar loop over it (the engine picks the layout
 // only where AMX or AVX512-BF16 runs; the loop keeps every path testable). Products of bf16 are exact in fp32 and accumulated in fp32; the result
 // rounds once to x's dtype: results equal the panels' up to the order of the fp32 sums.
 #include "ops.h"
@@ -225,13 +225,13 @@ constexpr int64_t DR = 6;   // rows per tile
 constexpr int64_t DP = 4;   // panels per tile
 constexpr int64_t KB = 8;    // pair steps between prefetches
 constexpr int64_t DMC = 96;  // rows of x per cache block (96 bf16 rows of K <= 2048 stay in L2)
-// Up to this many rows (one row tile) the panels run one after another, each read start to end with one chain per row
-// (the same sums, in the same order, as the 4-panel tiles: a row's bits do not depend on the rows beside it). Zen 4,
-// 2 threads, the decode stack's linears from memory: 4 panels side by side (4 streams a thread, the next group
-// prefetched) read the weights ~10% slower than torch's sum over as many bytes when memory gives 50-65 GB/s; panel by
-// panel, without prefetches, ~10% faster than it. One process alternating, bundled model, bf16, GEMM phases of a decode
-// step: 1 row 6.16 -> 5.89 ms (37 of 40 steps faster), 4 rows 6.19 -> 5.80 (36 of 40), 5 rows 6.76 -> 6.85 (19 of
-// 40), 6 rows 5.13 -> 6.54 (1 of 40: 6 broadcasts of x a step for one panel's load, where 4 panels share them).
+// Up to this many rows the panels run one after another, each read start to end with one chain per row (the same
+// sums, in the same order, as the 4-panel tiles: a row's bits do not depend on the rows beside it). Zen 4, 2 threads,
+// the bundled model's 30 gate/up weights from memory, 1 row: 4 panels side by side (4 streams a thread, the next group
+// prefetched) took 1.03-1.14x torch's sum over as many bytes where memory gave 50-65 GB/s, panel by panel without
+// prefetches 0.75-0.92x. GEMM phases of a decode step, one process alternating the two: 1 row 6.16 -> 5.89 ms (37 of
+// 40 steps faster), 4 rows 6.19 -> 5.80 (36 of 40); 5 rows 5.30 -> 5.17 (18 of 40: noise); 6 rows 5.13 -> 6.54 (1 of
+// 40: six broadcasts of x a step for one panel's load, where 4 panels share them).
 constexpr int64_t kSeqRows = 4;
 #define DP_PANELS(X, r) X(r, 0) X(r, 1) X(r, 2) X(r, 3)
 #define DP_ROWS_PANELS(X) DP_PANELS(X, 0) DP_PANELS(X, 1) DP_PANELS(X, 2) DP_PANELS(X, 3) DP_PANELS(X, 4) DP_PANELS(X, 5)
