@@ -11,9 +11,10 @@
 // tile once per input step; more rows run two panels x two row tiles.
 // CPUs without AMX but with AVX512-BF16 (AMD Zen 4) run vdpbf16ps tiles of 6 rows x 4 panels over the same layout:
 // one pair row is one zmm (twice the multiply-adds of an fp32 FMA, no widening; 0.38-0.42 TFLOP/s at 512 rows on 2
-// cores against the widened panels' 0.18-0.20); up to 4 rows a panel at a time (kSeqRows). Other CPUs run a scalar loop over it (the engine picks the layout
-// only where AMX or AVX512-BF16 runs; the loop keeps every path testable). Products of bf16 are exact in fp32 and accumulated in fp32; the result
-// rounds once to x's dtype: results equal the panels' up to the order of the fp32 sums.
+// cores against the widened panels' 0.18-0.20); up to 4 rows a panel at a time (kSeqRows). Other CPUs run a scalar
+// loop over it (the engine picks the layout only where AMX or AVX512-BF16 runs; the loop keeps every path testable).
+// Products of bf16 are exact in fp32 and accumulated in fp32; the result rounds once to x's dtype: results equal the
+// panels' up to the order of the fp32 sums.
 #include "ops.h"
 #include "decode_stack_parts.h"
 #include "zmm_tile.h"
@@ -229,7 +230,7 @@ constexpr int64_t DMC = 96;  // rows of x per cache block (96 bf16 rows of K <= 
 // sums, in the same order, as the 4-panel tiles: a row's bits do not depend on the rows beside it). Zen 4, 2 threads,
 // the bundled model's 30 gate/up weights from memory, 1 row: 4 panels side by side (4 streams a thread, the next group
 // prefetched) took 1.03-1.14x torch's sum over as many bytes where memory gave 50-65 GB/s, panel by panel without
-// prefetches 0.75-0.92x. GEMM phases of a decode step, one process alternating the two: 1 row 6.16 -> 5.89 ms (37 of
+// prefetches 0.74-0.92x. GEMM phases of a decode step, one process alternating the two: 1 row 6.16 -> 5.89 ms (37 of
 // 40 steps faster), 4 rows 6.19 -> 5.80 (36 of 40); 5 rows 5.30 -> 5.17 (18 of 40: noise); 6 rows 5.13 -> 6.54 (1 of
 // 40: six broadcasts of x a step for one panel's load, where 4 panels share them).
 constexpr int64_t kSeqRows = 4;
@@ -307,6 +308,14 @@ inline void dp_tile(int64_t rows, int64_t np, const c10::BFloat16* a, int64_t ld
   }
 }
 
+// One panel b (K / 2 pairs) for rows [0, M <= DR) into c, start to end, with this tile's share of the stream's lines.
+inline void dp_one_panel(int64_t M, const c10::BFloat16* A, int64_t K, const c10::BFloat16* b, float* c,
+                         LineStream* stream) {
+  const auto [pf2, pf2_n] = stream != nullptr ? stream->take() : std::pair<const char*, int64_t>{nullptr, 0};
+  const int64_t pairs = K / 2, every = std::max<int64_t>(1, pairs / std::max<int64_t>(1, pf2_n));
+  dp_tile(M, 1, A, K, b, 0, 0, pairs, c, nullptr, 0, 1, pf2, pf2_n, every);
+}
+
 // Panels [p0, p1) for every row: groups of DP panels, each over the row tiles of a cache block of x; the next
 // group's lines are asked for spread over this group's tiles (from memory they would stall its first tile).
 template <typename X>
@@ -319,9 +328,7 @@ void dp_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int
     // One row tile: the panels one after another, each read start to end (one stream a thread, no prefetches).
     if (stream != nullptr) stream->pace(p1 - p0);
     for (int64_t p = p0; p < p1; ++p) {
-      const auto [pf2, pf2_n] = stream != nullptr ? stream->take() : std::pair<const char*, int64_t>{nullptr, 0};
-      dp_tile(M, 1, A, K, W + p * ps, ps, 2 * ps, pairs, c, nullptr, 0, 1, pf2, pf2_n,
-              std::max<int64_t>(1, pairs / std::max<int64_t>(1, pf2_n)));
+      dp_one_panel(M, A, K, W + p * ps, c, stream);
       store_block(c, NR, M, std::min(NR, N - p * NR), w.bias, p * NR, y, N);
     }
     return;
@@ -359,11 +366,8 @@ void dp_silu_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0
     // One row tile: a gate panel, then its up panel, each read start to end (as dp_panels).
     if (stream != nullptr) stream->pace(2 * (p1 - p0));
     for (int64_t p = p0; p < p1; ++p) {
-      for (int64_t h = 0; h < 2; ++h) {
-        const auto [pf2, pf2_n] = stream != nullptr ? stream->take() : std::pair<const char*, int64_t>{nullptr, 0};
-        dp_tile(M, 1, A, K, W + (h * half + p) * ps, ps, hs, pairs, c + h * DR * NR, nullptr, 0, 1, pf2, pf2_n,
-                std::max<int64_t>(1, pairs / std::max<int64_t>(1, pf2_n)));
-      }
+      dp_one_panel(M, A, K, W + p * ps, c, stream);
+      dp_one_panel(M, A, K, W + (half + p) * ps, c + DR * NR, stream);
       zmm::store_silu_mul(c, c + DR * NR, M, w.bias, p * NR, (half + p) * NR, y + p * NR, I);
     }
     return;
