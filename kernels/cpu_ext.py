@@ -29,7 +29,7 @@ SOURCES = [CSRC / name for name in ("bindings.cpp", "cpu_decode_attention.cpp", 
                                        "cpu_gemm.cpp", "cpu_gemm_int4.cpp", "cpu_gemm_int8.cpp", "cpu_gemm_vnni.cpp",
                                        "cpu_linear_ops.cpp", "cpu_decode_stack.cpp", "cpu_prefill_attention.cpp",
                                        "huge_pages.cpp", "cpu_greedy_head.cpp", "cpu_greedy_head_avx2.cpp",
-                                       "cpu_exact_int4.cpp")]
+                                       "cpu_exact_int4.cpp", "objects_in_place.cpp")]
 # -ffast-math lets the compiler vectorise the fp32 reductions; the kernel never reads padding, so
 # no inf/NaN from unwritten cache slots can reach it.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]

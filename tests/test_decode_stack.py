@@ -183,6 +183,41 @@ def test_stack_off_where_it_cannot_run(tiny_model_dir):
     assert LLMEngine(model=str(tiny_model_dir("phi3")), max_num_seqs=2).runner.decode_stack is None
 
 
+def test_objects_in_place_agrees_with_the_python_check(ext, tiny_model_dir):
+    """The C++ check the stack runs each step (ext.objects_in_place) says what decode_stack._in_place says, over the
+    stack's own checks and their edge cases: a missing key stands for None (dict.get), a replaced value or a
+    dict that is no longer a plain dict is not in place, and a key whose hash raises raises."""
+    from pagedcore.decode_stack import _in_place
+
+    engine = LLMEngine(model=str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=2)
+    stack = engine.runner.decode_stack
+    assert stack._intact() and stack._checks is not None
+    dicts, keys, values = stack._checks
+    assert len(dicts) > 40 and ext.objects_in_place(dicts, keys, values) and _in_place(stack._checks)
+    layer = engine.model.model.layers[1]
+    original = layer.mlp.down_proj
+    layer.mlp.down_proj = torch.nn.Identity()
+    assert not ext.objects_in_place(dicts, keys, values) and not _in_place(stack._checks)
+    layer.mlp.down_proj = original
+    assert ext.objects_in_place(dicts, keys, values)
+    a, b, marker = {"x": 1}, {}, object()
+    for ds, ks, vs, want in [([a], ["x"], [a["x"]], True), ([b], ["forward"], [None], True),
+                             ([b], ["forward"], [marker], False), ([a, b] * 40, ["x", "y"] * 40, [a["x"], None] * 40, True),
+                             ([a] * 50 + [b], ["x"] * 50 + ["z"], [a["x"]] * 50 + [1], False)]:
+        assert ext.objects_in_place(ds, ks, vs) is want is _in_place((ds, ks, vs))
+    from collections import OrderedDict
+    assert not ext.objects_in_place([OrderedDict(x=1)], ["x"], [1])
+
+    class BadHash:
+        def __hash__(self):
+            raise ValueError("no hash")
+
+    with pytest.raises(ValueError, match="no hash"):
+        ext.objects_in_place([{}], [BadHash()], [None])
+    with pytest.raises(RuntimeError, match="one length"):
+        ext.objects_in_place([a], ["x", "y"], [1])
+
+
 def test_stack_rejects_what_it_cannot_run(ext):
     """Layouts it does not take raise a clear error before any thread starts (never a crash inside)."""
     stack = ext.DecodeStack(hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=32)

@@ -19,6 +19,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL: huge_pages.prefault runs it in a thread while the main thread loads the model.
   m.def("huge_page_buffer", &huge_page_buffer, "uint8 [nbytes] in 2 MiB transparent huge pages where the OS gives them",
         py::arg("nbytes"), py::call_guard<py::gil_scoped_release>());
+  m.def("objects_in_place", &objects_in_place,
+        "whether dicts[i].get(keys[i]) is values[i] for every i (False where a dicts[i] is not a plain dict)",
+        py::arg("dicts"), py::arg("keys"), py::arg("values"));
   m.def("rms_norm", &rms_norm, "transformers' Llama RMSNorm");
   m.def("add_rms_norm", &add_rms_norm, "(x + residual, rms_norm(x + residual))");
   m.def("rotary_embedding_", &rotary_embedding_, "rotate q and k in place (transformers' rotate_half RoPE)");

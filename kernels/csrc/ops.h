@@ -69,6 +69,8 @@ void bind_decode_stack(py::module& m);
 
 // huge_pages.cpp: a uint8 [nbytes] buffer in 2 MiB transparent huge pages where the OS gives them.
 torch::Tensor huge_page_buffer(int64_t nbytes);
+// dicts[i].get(keys[i]) is values[i] for all i (objects_in_place.cpp)
+bool objects_in_place(py::list dicts, py::list keys, py::list values);
 
 // cpu_exact_int4.cpp: fp32 panels [P, K, 16] that are exactly 4-bit per group of group_size inputs (fp16 scale and
 // min) as int4 panels [P, K / 4, 16] (int16: a column's 4 codes of a quad, one a nibble) and scale/min [P, K / group_size, 2, 16] fp16; undefined tensors if any value is not
