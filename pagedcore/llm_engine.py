@@ -85,6 +85,7 @@ class LLMEngine(IntakeAPI, LoRAEngineAPI):
         self.input_processor = InputProcessor(self.config, self.tokenizer, self.vocab_size, self.max_model_len,
                                               self.kv.num_blocks * self.config.block_size, self.scheduler.policy)
         self.requests: dict[str, RequestState] = {}
+        self._with_deadline: set[str] = set()  # requests with a deadline (may hold ended ones: _expire_requests)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._seq_counter = itertools.count()
         self._request_counter = itertools.count()
@@ -149,6 +150,8 @@ class LLMEngine(IntakeAPI, LoRAEngineAPI):
         state = RequestState(request_id, p.prompt, p.prompt_token_ids, params, output_kind)
         timeouts = [t for t in (timeout, self.config.request_timeout) if t is not None]
         state.deadline = state.metrics.arrival_time + min(timeouts) if timeouts else None
+        if state.deadline is not None:
+            self._with_deadline.add(request_id)
         num_seqs = 1 if params.use_beam_search else params.best_of or params.n
         max_total_tokens = self.input_processor.max_total_tokens()
         for i in range(num_seqs):
@@ -237,10 +240,14 @@ class LLMEngine(IntakeAPI, LoRAEngineAPI):
         return state is not None and state.beam is None and seq.grammar is None and not seq.waiting_for_grammar
 
     def _expire_requests(self) -> list[RequestOutput]:
-        now = time.monotonic()
         max_wait = self.config.max_waiting_time
+        if max_wait is None and not self._with_deadline:  # nothing can expire: no loop over every request a step
+            return []
+        self._with_deadline &= self.requests.keys()  # forget requests that ended
+        now = time.monotonic()
         outputs = []
-        for rid, state in list(self.requests.items()):
+        for rid in [r for r in self.requests if max_wait is not None or r in self._with_deadline]:
+            state = self.requests[rid]
             m = state.metrics
             if state.deadline is not None and now >= state.deadline:
                 outputs.append(self._end_with_error(rid, RequestTimeoutError(
@@ -312,10 +319,11 @@ class LLMEngine(IntakeAPI, LoRAEngineAPI):
         outputs = []
         for rid in dict.fromkeys(s.seq.request_id for s in sampled.samples):
             state = self.requests[rid]
-            out = self.output_processor.make_output(state)
+            finished = state.finished
+            out = self.output_processor.make_output(state, finished)
             if out is not None:
                 outputs.append(out)
-            if state.finished:
+            if finished:
                 del self.requests[rid]
         return outputs
 

@@ -44,8 +44,10 @@ class OutputProcessor:
             d[token_id] = Logprob(logprob, None)
         return d
 
-    def make_output(self, state: RequestState) -> RequestOutput | None:
-        finished = state.finished
+    def make_output(self, state: RequestState, finished: bool | None = None) -> RequestOutput | None:
+        """The request's output now (None: a final-only request not yet finished); `finished`: state.finished,
+        where the caller has it already."""
+        finished = state.finished if finished is None else finished
         self._update_timings(state, finished)
         if state.output_kind is OutputKind.FINAL_ONLY and not finished:
             return None

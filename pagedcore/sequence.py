@@ -24,7 +24,10 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
+        return self._value_ in _FINISHED  # read a few times per sequence a step: no enum lookups
+
+
+_FINISHED = frozenset(s.value for s in SequenceStatus if s.name.startswith("FINISHED_"))
 
 
 @dataclass
