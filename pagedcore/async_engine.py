@@ -60,6 +60,9 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # A queued command (an arrival, an abort) ends a multi-step decode at its next forward. The queue only:
+        # the engine must not hold this object.
+        engine.stop_multi_step = lambda commands=self._commands: not commands.empty()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._stopped = False

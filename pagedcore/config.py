@@ -48,6 +48,11 @@ class EngineConfig:
     tune_heap: bool = True
     # CPU: decode steps of Llama-family models run the whole decoder stack as one C++ call (pagedcore/decode_stack.py)
     decode_stack: bool = True
+    # Multi-step decode (vLLM v0's name): a step whose rows are all decoding greedily without logprobs, through
+    # the decode stack, with nothing waiting to be admitted, runs up to this many forwards, each row's token fed
+    # back to the next, before the engine's per-step Python (scheduling, outputs) runs again; tokens then stream
+    # in groups of up to this many. 1: one forward a step
+    num_scheduler_steps: int = 8
     # Capture the model forward with torch.compile (pagedcore/capture.py); eager if it fails.
     # None: on for CUDA (CUDA graphs), off for CPU, where the captured step measured no faster than
     # the eager C++ lean layers (README, "Captured forward") and the first compile takes minutes.
@@ -111,6 +116,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

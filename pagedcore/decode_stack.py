@@ -74,6 +74,7 @@ class DecodeStack:
         self.stack = ext.DecodeStack(c.hidden_size, c.num_attention_heads, kv_caches[0][0].shape[2], head_dim,
                                      c.intermediate_size)
         self.installed: list[_Installed] = []
+        self._again = None  # the plan of the last call that a multi-step decode may run again (decode_again)
         self._checks = None  # (dicts, keys, values): each installed module in its parent's modules, its forward
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         for layer, (k_cache, v_cache) in zip(self.base.layers, kv_caches):
@@ -155,6 +156,7 @@ class DecodeStack:
         step's rows need nothing else) their argmax where the greedy head gives it; None if the step's rotary
         embedding is not over the whole head (the layers' own forward then runs it)."""
         md = ctx.metadata.common
+        self._again = None
         if self._io_checks is not None and md.max_seq_len <= self._rope_table[0].shape[0] and self._io_intact():
             # The embedding, RoPE and final norm inside the stack's call (set_io): each was a torch op run with the
             # caches cold (after the weights streamed), ~0.25 ms of a one-row step.
@@ -172,7 +174,23 @@ class DecodeStack:
         if len(logits_indices) != len(hidden):
             hidden = hidden[logits_indices]
         tokens = self.greedy_head.argmax(hidden) if argmax_only and self.greedy_head is not None else None
+        if tokens is not None and self._io_checks is not None and len(plan.rows) == len(input_ids) == len(tokens.token_ids):
+            self._again = plan  # (set only where the ids path ran: the layered one returned from its branch above)
         return tokens if tokens is not None else self.model.lm_head(hidden)
+
+    def decode_again(self, plan: ExtDecodePlan, input_ids: torch.Tensor, positions: torch.Tensor,
+                     slot_mapping: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int) -> ArgmaxTokens | None:
+        """A multi-step decode's next forward: the rows of this step's call (`plan`, one query each) one position
+        on, with their new lengths, through the ids path and the greedy head as that call ran them; None where it
+        did not. The modules are not checked again: only the stack ran since that call checked them."""
+        if plan is None or self._again is not plan or max_seq_len > self._rope_table[0].shape[0]:
+            return None
+        hidden = self.stack.forward_ids(input_ids, positions, slot_mapping, plan.rows, plan.block_table, seq_lens,
+                                        quantization.INT8_ACTIVATION_ROWS, self.onednn_rows)
+        tokens = self.greedy_head.argmax(hidden)
+        if tokens is None:
+            self._again = None
+        return tokens
 
     def _set_io(self) -> tuple | None:
         """Give the stack the embedding table, RoPE tables and final norm weight that the model's own modules use,

@@ -41,7 +41,7 @@ OUTLIER_DIMS = 32
 class ArgmaxTokens:
     """A step's sampled rows as token ids only: what the decode stack returns instead of logits."""
 
-    token_ids: torch.Tensor  # int64 [rows]
+    token_ids: torch.Tensor  # int64 [rows], or [rows, steps] from a multi-step decode (ModelRunner.execute)
 
 
 class GreedyHead:

@@ -7,6 +7,7 @@ import itertools
 import logging
 import time
 import weakref
+from typing import Callable
 
 import torch
 
@@ -105,6 +106,9 @@ class LLMEngine(IntakeAPI, LoRAEngineAPI):
         self.num_step_failures = 0
         self.consecutive_step_failures = 0
         self._healthy = True  # False after max_consecutive_step_failures failed steps in a row
+        # Asked between a multi-step decode's forwards: True ends the step there (the async engine's: a command
+        # is queued, so an arrival or an abort waits one forward, not num_scheduler_steps).
+        self.stop_multi_step: Callable[[], bool] | None = None
         self.loras = LoRARegistry(self.runner.lora_manager)
         self.loras.load_modules(self.config.lora_modules)
         logger.info("pagedcore engine ready: %s, %s, %s backend; KV cache %d blocks = %d tokens",
@@ -218,7 +222,8 @@ class LLMEngine(IntakeAPI, LoRAEngineAPI):
                 self.structured_output.wait_for_compiles()
                 return outputs
             argmax_only = self.sample_step.argmax_only([seq for seq, _ in sched.scheduled])
-            rows, logits = self.runner.execute(sched, argmax_only)
+            rows, logits = self.runner.execute(sched, argmax_only, self._num_decode_steps(sched, argmax_only),
+                                               self.stop_multi_step)
             sampled = self.sample_step([sched.scheduled[i][0] for i in rows], logits, self.requests, self.sampler)
             self.scheduler.update_from_output(sched, sampled)
             if self.spec is not None:
@@ -229,9 +234,30 @@ class LLMEngine(IntakeAPI, LoRAEngineAPI):
         self.consecutive_step_failures = 0
         generated = sum(max(len(s.token_ids), 1) for s in sampled.samples)  # beams append their own one
         self.total_generated_tokens += generated
-        self.pm.hook.pagedcore_step_end(
-            stats=self.stats(sched.num_tokens, generated, time.perf_counter() - t0))
+        computed = sched.num_tokens + sum(s.num_fed_back for s in sampled.samples)  # a multi-step's forwards too
+        self.pm.hook.pagedcore_step_end(stats=self.stats(computed, generated, time.perf_counter() - t0))
         return outputs
+
+    def _num_decode_steps(self, sched, argmax_only: bool) -> int:
+        """Forwards this step may run (config.num_scheduler_steps): more than one only for a batch of decoding,
+        argmax-only rows through the decode stack while nothing waits for admission (an arrival is not held back
+        by the lookahead), no further than any row's max_tokens and context reach, and with the free blocks for
+        every row's lookahead slots."""
+        k = self.config.num_scheduler_steps
+        s = self.scheduler
+        if k <= 1 or not argmax_only or self.runner.decode_stack is None or s.waiting or s.swapped:
+            return 1
+        for seq, n in sched.scheduled:
+            if n != 1 or seq.num_computed_tokens != seq.num_tokens - 1 or not seq.num_output_tokens:
+                return 1
+            left = seq.max_total_tokens - seq.num_tokens
+            if seq.params.max_tokens is not None:
+                left = min(left, seq.params.max_tokens - seq.num_output_tokens)
+            if left < k:
+                k = left
+                if k <= 1:
+                    return 1
+        return s.reserve_lookahead(sched, k)
 
     def _can_speculate(self, seq: Sequence) -> bool:
         # Beam search scores every beam's next-token distribution: it disables speculation for its request.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedcore import fused_norms, fused_projections, heap_tuning, huge_pages, lean_layers, packed_linear
@@ -13,7 +14,7 @@ from pagedcore.attention.backend import AttentionMetadata
 from pagedcore.config import EngineConfig
 from pagedcore.decode_stack import DecodeStack
 from pagedcore.greedy_head import ArgmaxTokens
-from pagedcore.input_batch import InputBatch
+from pagedcore.input_batch import InputBatch, StepInputs
 from pagedcore.kernels import kv_quant
 from pagedcore.scheduler import SchedulerOutput
 
@@ -93,6 +94,7 @@ class ModelRunner:
             from pagedcore.lora.manager import LoRAManager
 
             self.lora_manager = LoRAManager(model, config.max_loras, config.max_lora_rank, device, dtype)
+        self.stack_plan = None  # the decode stack's plan of the last forward (None: the stack did not run it)
         self.captured = None
         if config.use_compile(device):
             from pagedcore.capture import CapturedForward
@@ -173,7 +175,10 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
         """Build input ids, positions, the attention metadata, and which rows' logits to keep."""
-        b = self.input_batch.apply(sched)  # persistent rows: only this step's changes are copied
+        self.step_inputs = self.input_batch.apply(sched)  # persistent rows: only this step's changes are copied
+        return self._model_input(self.step_inputs)
+
+    def _model_input(self, b: StepInputs) -> ModelInput:
         # On the CPU the tensors are used as they are: a .to() per tensor is an op each (~20 us with the caches cold).
         to = (lambda t: t) if self.device.type == "cpu" else (lambda t: t.to(self.device))
         metadata = AttentionMetadata(
@@ -199,9 +204,34 @@ class ModelRunner:
                                          self.device)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, argmax_only: bool = False) -> tuple[list[int], torch.Tensor | ArgmaxTokens]:
+    def execute(self, sched: SchedulerOutput, argmax_only: bool = False, num_steps: int = 1,
+                stop_early=None) -> tuple[list[int], torch.Tensor | ArgmaxTokens]:
         """Run one step; return the scheduled rows that sample and their logits [rows, vocab], or (`argmax_only`:
-        the rows need nothing else) their tokens where the decode stack's greedy head gives them."""
+        the rows need nothing else) their tokens where the decode stack's greedy head gives them.
+        `num_steps` > 1 (a decode-only batch whose slots the scheduler reserved that far ahead): where the stack
+        gives tokens, each row's token is fed back for up to num_steps - 1 more forwards, stopping early when
+        `stop_early()` says so; the tokens then come as ArgmaxTokens [rows, steps run]."""
+        rows, out = self._execute(sched, argmax_only)
+        if num_steps > 1 and isinstance(out, ArgmaxTokens):
+            out = self._decode_more(out, num_steps, stop_early)
+        return rows, out
+
+    def _decode_more(self, first: ArgmaxTokens, num_steps: int, stop_early) -> ArgmaxTokens:
+        """Multi-step decode (vLLM v0's num_scheduler_steps): the engine's per-step Python (schedule, the input
+        batch's diff, sampling, outputs) once per num_steps tokens. The batch advances by its own tensors: each
+        row one position on, its slot from the block table the scheduler filled ahead."""
+        tokens = [first.token_ids.numpy()]
+        b, plan = self.step_inputs, self.stack_plan  # this step's own arrays, advanced in place
+        while len(tokens) < num_steps and not (stop_early is not None and stop_early()):
+            b.advance(tokens[-1], self.block_size)
+            out = self.decode_stack.decode_again(plan, b.input_ids, b.positions, b.slot_mapping, b.seq_lens,
+                                                 b.max_seq_len)
+            if out is None:  # not the stack's ids path: the K/V written past here is rewritten by later steps
+                break
+            tokens.append(out.token_ids.numpy())
+        return ArgmaxTokens(torch.from_numpy(np.stack(tokens, axis=1)))
+
+    def _execute(self, sched: SchedulerOutput, argmax_only: bool) -> tuple[list[int], torch.Tensor | ArgmaxTokens]:
         # Order matters: swap-outs read blocks that this step may hand to others.
         if sched.blocks_to_swap_out:
             self.swap(self.kv_caches, self.cpu_kv_caches, sched.blocks_to_swap_out)
@@ -212,16 +242,21 @@ class ModelRunner:
             self.backend.copy_blocks(self.kv_caches, torch.tensor(src, device=self.device),
                                      torch.tensor(dst, device=self.device))
         inp = self.prepare(sched)
+        return inp.sample_rows, self._forward(inp, self._lora_mapping(sched), argmax_only)
+
+    def _forward(self, inp: ModelInput, lora_mapping, argmax_only: bool) -> torch.Tensor | ArgmaxTokens:
+        """The step's logits, or (argmax_only) the greedy head's tokens where the decode stack gives them."""
         ctx = hf_glue.ForwardContext(self.backend, self.backend.build_metadata(inp.metadata), self.kv_caches,
-                                     self._lora_mapping(sched))
+                                     lora_mapping)
         with hf_glue.forward_context(ctx):
             if self.captured is not None:
-                return inp.sample_rows, self.captured(inp.input_ids, inp.positions, inp.logits_indices)
+                return self.captured(inp.input_ids, inp.positions, inp.logits_indices)
             plan = self.decode_stack.plan(ctx, len(inp.input_ids)) if self.decode_stack is not None else None
+            self.stack_plan = plan
             logits = self.decode_stack(inp.input_ids, inp.positions, inp.logits_indices, ctx, plan,
                                        argmax_only) if plan else None
             if logits is not None:
-                return inp.sample_rows, logits
+                return logits
             out = self.model(input_ids=inp.input_ids[None], position_ids=inp.positions[None], use_cache=False,
                              logits_to_keep=inp.logits_indices)
-        return inp.sample_rows, out.logits[0]
+        return out.logits[0]

@@ -45,7 +45,11 @@ class SampleStep:
         attribute, which `bench step` wraps with a timer."""
         out = SampledOutput()
         if isinstance(logits, ArgmaxTokens):  # the greedy head's tokens: no logprob to report (argmax_only)
-            out.samples += [SequenceSample(seq, [token], [None]) for seq, token in zip(seqs, logits.token_ids.tolist())]
+            if logits.token_ids.dim() == 1:
+                out.samples += [SequenceSample(seq, [token], [None]) for seq, token in zip(seqs, logits.token_ids.tolist())]
+            else:  # a multi-step decode's tokens, [rows, steps]: all but the last were fed back
+                out.samples += [SequenceSample(seq, tokens, [None] * len(tokens), num_fed_back=len(tokens) - 1)
+                                for seq, tokens in zip(seqs, logits.token_ids.tolist())]
             return out
         if self.spec is not None and any(seq.num_draft_tokens for seq in seqs):
             samples, seqs, logits = self.spec.verify_drafted(seqs, logits, self.eos_token_ids, self.make_logprobs)

@@ -57,6 +57,9 @@ class SequenceSample:
     # step; `token_ids` are then the accepted drafts and the token after them (vLLM v1's convention).
     num_draft_tokens: int = 0
     fork_of: Sequence | None = None  # a new sample: it shares this sequence's blocks (n > 1, beams)
+    # Multi-step decode: tokens of this sample that the step's later forwards took as inputs (all but the
+    # last), so their K/V is computed too.
+    num_fed_back: int = 0
 
     @property
     def num_rejected(self) -> int:
@@ -118,6 +121,14 @@ class Scheduler:
         if out.scheduled:  # the engine runs only steps with work: keep the news for one of those
             out.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
         return out
+
+    def reserve_lookahead(self, out: SchedulerOutput, num_steps: int) -> int:
+        """Slots for `num_steps` tokens of every scheduled sequence (a multi-step decode feeds each step's token
+        back num_steps - 1 times): num_steps if they all got them, else 1 (no preemption for a lookahead; slots
+        already taken stay with their sequences for their next tokens)."""
+        ok = all(self.kv.allocate_slots(seq, num_steps) for seq, _ in out.scheduled)
+        out.blocks_to_copy += self.kv.take_pending_copies()
+        return num_steps if ok else 1
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
@@ -237,6 +248,10 @@ class Scheduler:
             if sample.num_draft_tokens:
                 self._rollback(sample)
             status = self._append(sample)
+            if sample.num_fed_back:
+                # A stop drops the tokens after it: what was computed past the kept tokens is not the sequence's.
+                seq = sample.seq
+                seq.num_computed_tokens = min(seq.num_computed_tokens + sample.num_fed_back, seq.num_tokens)
             if status is not None:
                 stopped.append((sample.seq, status))
         # Publish before finishing (a finished prompt's blocks stay reusable) and after the

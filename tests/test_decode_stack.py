@@ -270,16 +270,24 @@ def test_stack_phase_timers_change_nothing_and_count_its_steps(tiny_model_dir, s
 
 @pytest.fixture
 def io_steps(monkeypatch):
-    """One entry per stack step: whether it ran through forward_ids (embedding, RoPE and final norm inside)."""
+    """One entry per stack forward: whether it ran through forward_ids (embedding, RoPE and final norm inside); a
+    multi-step decode's further forwards (decode_again) run only there."""
     calls = []
-    original = DecodeStack._io_intact
+    original, again = DecodeStack._io_intact, DecodeStack.decode_again
 
     def counted(self):
         ok = original(self)
         calls.append(ok)
         return ok
 
+    def counted_again(self, *args):
+        out = again(self, *args)
+        if out is not None:
+            calls.append(True)
+        return out
+
     monkeypatch.setattr(DecodeStack, "_io_intact", counted)
+    monkeypatch.setattr(DecodeStack, "decode_again", counted_again)
     return calls
 
 

@@ -12,13 +12,15 @@ def single_stream(engine, prompt: list[int], max_tokens: int) -> dict:
     from pagedcore import SamplingParams
 
     rid = engine.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    times, seen, t0 = [], 0, time.perf_counter()
+    times, counts, seen, t0 = [], [], 0, time.perf_counter()
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.request_id == rid and len(out.outputs[0].token_ids) > seen:
                 seen = len(out.outputs[0].token_ids)
                 times.append(time.perf_counter())
-    tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
+                counts.append(seen)
+    # Per token, not per output: a multi-step decode (num_scheduler_steps) hands out several tokens at once.
+    tpot = (times[-1] - times[0]) / (counts[-1] - counts[0]) if len(times) > 1 else float("nan")
     return {"engine": "pagedcore", "peer": "pagedcore", "ttft_s": times[0] - t0, "tpot_s": tpot,
             "output_tokens": seen}
 

@@ -3,12 +3,15 @@
 `pagedcore bench step` (and `bench throughput`, in its report) fills a running batch of B sequences,
 lets them reach decode, then times steps with wall-clock timers wrapped around the engine's parts
 for the duration of the measurement only:
-  prepare        ModelRunner.prepare + the backend's build_metadata (the step's batch tensors)
+  prepare        ModelRunner.prepare + the backend's build_metadata (the step's batch tensors; StepInputs.advance
+                 for a multi-step decode's further forwards)
   GEMMs          inside every nn.Linear / int4 linear of the model
   attention      inside the attention backend's forward (KV write + paged attention)
   other forward  the rest of the model forward (norms, RoPE, activations, embedding, Python)
   sample         the Sampler
   output         the rest of LLMEngine.step (bookkeeping, stop checks, detokenizing, outputs)
+Every number is per forward (per token a row gains): a multi-step decode (num_scheduler_steps) runs several forwards
+in one engine step, and the parts outside the forward are then shared by them.
 Beside them, the floors measured in the same run: reading all weights once at the machine's read
 bandwidth (bounds a batch-1 step) and the step's matmul FLOPs at the matmul peak (bounds B = 64).
 CPU only: on a GPU these timers would need synchronisation.
@@ -32,6 +35,7 @@ from collections import defaultdict
 import torch
 
 from pagedcore import fused_projections
+from pagedcore.input_batch import StepInputs
 
 PARTS = ("prepare", "gemm", "attention", "other_forward", "sample", "output")
 
@@ -67,6 +71,7 @@ def instrument(engine, timers: StepTimers, per_module: bool = True):
         undo.append(lambda: setattr(obj, name, old) if had else delattr(obj, name))
 
     set_attr(runner, "prepare", timers.wrap("prepare", runner.prepare))
+    set_attr(StepInputs, "advance", timers.wrap("prepare", StepInputs.advance))  # a multi-step decode's next batch
     set_attr(runner, "execute", timers.wrap("execute", runner.execute))
     backend = runner.backend
     set_attr(backend, "build_metadata", timers.wrap("prepare", backend.build_metadata))
@@ -142,21 +147,27 @@ def profile_decode(engine, batch: int, prompt_len: int = 128, steps: int = 10, r
 
 
 def _profile(engine, batch: int, prompt_len: int, steps: int, per_module: bool) -> dict:
-    fill_batch(engine, batch, prompt_len, max_tokens=steps + 8)
+    per_step = engine.config.num_scheduler_steps  # forwards an engine step may run (multi-step decode)
+    fill_batch(engine, batch, prompt_len, max_tokens=(steps + 2) * per_step + 8)
     engine.step()  # one untimed decode step at the full batch
     timers, t_step, compiled = StepTimers(), 0.0, captured(engine)
     opaque = compiled or not per_module
+    running = list(engine.scheduler.running)
+    before = sum(seq.num_output_tokens for seq in running)
     with instrument(engine, timers, per_module=per_module):
         for _ in range(steps):
             t0 = time.perf_counter()
             engine.step()
             t_step += time.perf_counter() - t0
+    # The batch's forwards (tokens a row gained): a multi-step decode runs several in one engine step, and every
+    # number below is per forward, the decode step's cost per token.
+    forwards = round((sum(seq.num_output_tokens for seq in running) - before) / len(running))
     engine.abort_request(list(engine.requests))
     while engine.has_unfinished_requests():
         engine.step()
     t = timers.total
     # Every timed step through the stack's panel phases: its GEMM and attention phases split its forward.
-    split = timers.stack is not None and timers.stack["steps"] == steps and not compiled
+    split = timers.stack is not None and timers.stack["steps"] == forwards and not compiled
     if split:
         t["gemm"] += timers.stack["gemm"]
         t["attention"] += timers.stack["attention"]
@@ -164,12 +175,13 @@ def _profile(engine, batch: int, prompt_len: int, steps: int, per_module: bool) 
     ms = {"prepare": t["prepare"], "gemm": t["gemm"], "attention": t["attention"],
           "other_forward": forward - t["gemm"] - t["attention"], "sample": t["sample"],
           "output": t_step - t["execute"] - t["sample"]}
-    row = {k: round(v / steps * 1e3, 2) for k, v in ms.items()}
+    row = {k: round(v / forwards * 1e3, 2) for k, v in ms.items()}
     if opaque and not split:
         row["gemm"] = None  # inside the captured graph / a stack step not split: counted in other_forward
     if not per_module and not split:
         row["attention"] = None
-    row.update(batch=batch, step_ms=round(t_step / steps * 1e3, 2), compiled=compiled, decode_stack=not per_module)
+    row.update(batch=batch, step_ms=round(t_step / forwards * 1e3, 2), compiled=compiled, decode_stack=not per_module,
+               forwards_per_step=round(forwards / steps, 2))
     return row
 
 
@@ -195,12 +207,13 @@ def run(engine, batches=(1, 64), read_gbs: float | None = None, matmul_tflops: f
     if read_probe is None:
         read_gbs = read_gbs or roofline.read_bandwidth_gbs()
     matmul_tflops = matmul_tflops or roofline.matmul_tflops(engine.dtype)
-    # The timed steps' mean context: the prompt, the first token, one untimed step, then half the timed ones.
-    context = prompt_len + 2 + steps // 2
     rows = []
     for b in batches:
         row, gbs = roofline.between_probes(lambda: profile_decode(engine, b, prompt_len, steps, repeats), read_probe)
         gbs = gbs or read_gbs
+        # The timed forwards' mean context: the prompt, the first token, one untimed step, then half the timed ones.
+        per_step = row["forwards_per_step"]
+        context = round(prompt_len + 1 + per_step + steps * per_step / 2)
         rows.append(dict(row, read_gbs=round(gbs, 1), **floors(engine, b, gbs, matmul_tflops, context)))
     return rows
 

@@ -96,7 +96,7 @@ def run_weights(args) -> dict:
             "weights": [dict(asdict(r), total=r.total, total_vs_first=round(r.total / base.total, 3),
                              total_vs_bf16=round(r.total / dense, 3),
                              linear_vs_first=round(r.linear / base.linear, 3),
-                             tpot_ms=None if t is None else round(t * 1e3, 2),
+                             tpot_ms=None if t is None else round(t * 1e3, 3),
                              tok_s=None if t is None else round(1 / t, 1)) for r, t in zip(rows, tpots)]}
 
 

@@ -100,7 +100,8 @@ class DriverRunner(ModelRunner):
         super().reset_input_batch()
         self.batch, self.input_batch = self.input_batch, PREPARED
 
-    def execute(self, sched, argmax_only: bool = False):  # (no decode stack, so no greedy head, under TP)
+    def execute(self, sched, argmax_only: bool = False, num_steps: int = 1, stop_early=None):
+        # (no decode stack under TP: no greedy head, and one forward a step)
         msg = StepMessage(sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy,
                           self.batch.apply(sched))
         return self.executor.run_step(msg, super().execute)
