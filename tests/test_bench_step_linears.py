@@ -78,7 +78,7 @@ def test_each_batch_floors_use_the_reads_probed_around_its_profile(tiny_model_di
 
     def profiled(engine, batch, *args):
         events.append(f"profile {batch}")
-        return {"batch": batch, "step_ms": 1.0, "forwards_per_step": 1.0}
+        return {"batch": batch, "step_ms": 1.0, "forwards": 10, "forwards_per_step": 1.0}
 
     monkeypatch.setattr(step_profile, "profile_decode", profiled)
     rows = step_profile.run(engine, batches=(1, 4), read_gbs=5.0, matmul_tflops=0.05, read_probe=probe)

@@ -124,7 +124,9 @@ def step_profile_table(rows: list[dict]) -> list[str]:
               "floor: read weights", "floor: read K/V", "floor: matmul at peak"]
     probed = ", the reads at the bandwidth probed just before and after each batch's profile" \
         if any(r.get("read_gbs") for r in rows) else ""
-    return [f"**Decode step profile** (ms per step; floors measured in the same run{probed}; the decode stack runs every "
+    return [f"**Decode step profile** (ms per step, a forward's: a multi-step decode's engine step runs "
+            f"num_scheduler_steps of them and its parts outside the forward are shared; floors measured in the same "
+            f"run{probed}; the decode stack runs every "
             "layer in one C++ call and times its own phases, each up to the barrier that ends it: attention there is "
             "RoPE, the cache write and paged attention; its GEMMs include the LM head)", "",
             *_table(header, body, "rlrrrrrrrrrr")]

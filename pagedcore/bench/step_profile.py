@@ -148,20 +148,26 @@ def profile_decode(engine, batch: int, prompt_len: int = 128, steps: int = 10, r
 
 def _profile(engine, batch: int, prompt_len: int, steps: int, per_module: bool) -> dict:
     per_step = engine.config.num_scheduler_steps  # forwards an engine step may run (multi-step decode)
-    fill_batch(engine, batch, prompt_len, max_tokens=(steps + 2) * per_step + 8)
+    fill_batch(engine, batch, prompt_len, max_tokens=steps + 2 * per_step + 8)
     engine.step()  # one untimed decode step at the full batch
     timers, t_step, compiled = StepTimers(), 0.0, captured(engine)
     opaque = compiled or not per_module
     running = list(engine.scheduler.running)
     before = sum(seq.num_output_tokens for seq in running)
+
+    def forwards_run() -> int:  # the batch's forwards so far (tokens a row gained)
+        return round((sum(seq.num_output_tokens for seq in running) - before) / len(running))
+
+    # Engine steps until `steps` forwards ran (a multi-step decode runs several in one engine step; the contexts
+    # then grow as far as with one forward a step), every number below per forward: the decode step's cost per token.
+    engine_steps = 0
     with instrument(engine, timers, per_module=per_module):
-        for _ in range(steps):
+        while forwards_run() < steps and engine.has_unfinished_requests():
             t0 = time.perf_counter()
             engine.step()
             t_step += time.perf_counter() - t0
-    # The batch's forwards (tokens a row gained): a multi-step decode runs several in one engine step, and every
-    # number below is per forward, the decode step's cost per token.
-    forwards = round((sum(seq.num_output_tokens for seq in running) - before) / len(running))
+            engine_steps += 1
+    forwards = forwards_run()
     engine.abort_request(list(engine.requests))
     while engine.has_unfinished_requests():
         engine.step()
@@ -181,7 +187,7 @@ def _profile(engine, batch: int, prompt_len: int, steps: int, per_module: bool) 
     if not per_module and not split:
         row["attention"] = None
     row.update(batch=batch, step_ms=round(t_step / forwards * 1e3, 2), compiled=compiled, decode_stack=not per_module,
-               forwards_per_step=round(forwards / steps, 2))
+               forwards=forwards, forwards_per_step=round(forwards / engine_steps, 2))
     return row
 
 
@@ -212,8 +218,7 @@ def run(engine, batches=(1, 64), read_gbs: float | None = None, matmul_tflops: f
         row, gbs = roofline.between_probes(lambda: profile_decode(engine, b, prompt_len, steps, repeats), read_probe)
         gbs = gbs or read_gbs
         # The timed forwards' mean context: the prompt, the first token, one untimed step, then half the timed ones.
-        per_step = row["forwards_per_step"]
-        context = round(prompt_len + 1 + per_step + steps * per_step / 2)
+        context = round(prompt_len + 1 + row["forwards_per_step"] + row["forwards"] / 2)
         rows.append(dict(row, read_gbs=round(gbs, 1), **floors(engine, b, gbs, matmul_tflops, context)))
     return rows
 
