@@ -204,8 +204,7 @@ def print_report(report: dict) -> None:
                             for op, v in r["by_op"].items())
             print(f"  rank {r['rank']}: {r['comm_seconds']:.3f} s in collectives ({r['comm_mb']:.1f} MB): {ops}")
     if report.get("step_profile"):
-        print(f"decode step profile (ms per step, a forward's, multi-step decode's shared; the decode stack's rows the "
-              f"fastest of {PROFILE_REPEATS} batches):")
+        print(f"decode step profile (ms per forward; the decode stack's rows the fastest of {PROFILE_REPEATS} batches):")
         print("\n".join(step_profile.format_rows(report["step_profile"])))
     for t in report.get("targets", []):
         state = "n/a" if t["met"] is None else "met" if t["met"] else "NOT met"
