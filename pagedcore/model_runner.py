@@ -83,6 +83,7 @@ class ModelRunner:
             heap_tuning.install()
         fused_norms.install(model, device)
         lean_layers.install(model, device)
+        self.last_layer = lean_layers.last_layer(model, self.shape.num_layers)
         if config.pack_weights:
             logger.info("packed linears: %d", packed_linear.install(model, device))
             logger.info("fused projections: %d", fused_projections.install(model, device))
@@ -257,6 +258,18 @@ class ModelRunner:
                                        argmax_only) if plan else None
             if logits is not None:
                 return logits
+            keep = self._keep_rows(inp, lora_mapping)
+            if keep is not None:
+                ctx.keep_rows, ctx.keep_rows_layer = keep, self.shape.num_layers - 1
             out = self.model(input_ids=inp.input_ids[None], position_ids=inp.positions[None], use_cache=False,
-                             logits_to_keep=inp.logits_indices)
+                             logits_to_keep=inp.logits_indices if keep is None else 0)
         return out.logits[0]
+
+    def _keep_rows(self, inp: ModelInput, lora_mapping) -> torch.Tensor | None:
+        """The sampled rows, where the last layer can run its o_proj and MLP on them alone: a step with tokens that
+        are not sampled (prompt chunks), no adapter (its mapping is per token), the layer still the lean one."""
+        n = len(inp.logits_indices)
+        if not 0 < n < len(inp.input_ids) or lora_mapping is not None or self.last_layer is None \
+                or not lean_layers.keeps_rows(self.last_layer):
+            return None
+        return inp.logits_indices

@@ -30,6 +30,10 @@ class ForwardContext:
     metadata: Any
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     lora_mapping: Any = None  # lora/punica.py's LoRAMapping when a token of the step runs under an adapter
+    # The last layer's rows that go on (the sampled tokens'; None: all): that layer writes every token's K/V, then
+    # runs o_proj and the MLP on these rows alone, which the model's norm and head then take (lean_layers.py).
+    keep_rows: torch.Tensor | None = None
+    keep_rows_layer: int = -1
 
 
 _context: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("pagedcore_forward_context",
