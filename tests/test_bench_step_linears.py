@@ -128,6 +128,16 @@ def test_bench_linears_cli(tmp_path, capsys):
     assert [t["name"] for t in report["targets"]] == ["k_proj/v_proj M=1 fraction of read bandwidth"]
     stack_row = next(r for r in report["rows"] if (r["impl"], r["m"]) == ("stack", 1))
     assert report["targets"][0]["value"] == round(stack_row["bw_frac"], 3)  # the row the engine's decode runs
+    assert all(r["read_gbs"] > 0 and r["bw_frac"] == r["gbs"] / r["read_gbs"] for r in report["rows"])
+
+
+def test_bench_linears_fractions_against_the_reads_probed_beside_each_m():
+    """Each M's rows against the larger of the read probes just before and after them, not the run's first probe."""
+    probes = iter([10.0, 30.0, 50.0, 20.0])
+    rows = linears.bench_shape("k", 192, 576, [1, 8], torch.bfloat16, ["packed"], 999.0, 1.0, 0.02, copies_mib=2,
+                               read_probe=lambda: next(probes))
+    assert [(r.m, r.read_gbs) for r in rows] == [(1, 30.0), (8, 50.0)]
+    assert all(r.bw_frac == r.gbs / r.read_gbs for r in rows)
 
 
 def test_linear_shapes_of_smollm2(smollm2_dir):

@@ -43,8 +43,9 @@ class Row:
     us: float
     gbs: float  # weight bytes read / time
     tflops: float
-    bw_frac: float  # gbs / machine read bandwidth
+    bw_frac: float  # gbs / machine read bandwidth (read_gbs where probed)
     peak_frac: float  # tflops / machine matmul peak
+    read_gbs: float | None = None  # the read bandwidth probed just before and after this M's rows (the larger)
 
 
 def model_shapes(hf_config) -> dict[str, tuple[int, int]]:
@@ -83,7 +84,11 @@ def _time_in_region(call, seconds: float) -> float:
             return best
 
 
-def bench_shape(name, n, k, ms, dtype, impls, bw_gbs, peak_tflops, seconds, repeats=1, copies_mib=512) -> list[Row]:
+def bench_shape(name, n, k, ms, dtype, impls, bw_gbs, peak_tflops, seconds, repeats=1, copies_mib=512,
+                read_probe=None) -> list[Row]:
+    """Rows of one shape; with `read_probe`, each M's bandwidth fractions against the reads probed just before and
+    after its rows (roofline.between_probes: this host's reads move 30 -> 57 GB/s within minutes, so one probe at
+    the start once judged a 35 GB/s stream against 55)."""
     from pagedcore import onednn_linear, vnni_layout
     from pagedcore.kernels import cpu_ext
     from pagedcore.quantization import Int4Linear
@@ -131,17 +136,25 @@ def bench_shape(name, n, k, ms, dtype, impls, bw_gbs, peak_tflops, seconds, repe
                 print(f"  {name} M={m} {impl}: skipped (one call took {time.perf_counter() - t0:.1f} s)", file=sys.stderr)
                 continue
             live[impl] = (fn, nbytes)
-        best = dict.fromkeys(live, math.inf)
-        for _ in range(repeats):
-            for impl, (fn, _nbytes) in live.items():
-                if impl in timers:
-                    best[impl] = min(best[impl], timers[impl](x, seconds / repeats))
-                else:
-                    best[impl] = min(best[impl], _time(lambda j: fn(x, j), 32, seconds / repeats))
+
+        def measure() -> dict[str, float]:
+            best = dict.fromkeys(live, math.inf)
+            for _ in range(repeats):
+                for impl, (fn, _nbytes) in live.items():
+                    if impl in timers:
+                        best[impl] = min(best[impl], timers[impl](x, seconds / repeats))
+                    else:
+                        best[impl] = min(best[impl], _time(lambda j: fn(x, j), 32, seconds / repeats))
+            return best
+
+        from pagedcore.bench.roofline import between_probes
+
+        best, probed = between_probes(measure, read_probe)
+        bw = probed or bw_gbs
         for impl, (_fn, nbytes) in live.items():
             dt = best[impl]
             gbs, tflops = nbytes / dt / 1e9, 2 * m * n * k / dt / 1e12
-            rows.append(Row(name, n, k, m, impl, dt * 1e6, gbs, tflops, gbs / bw_gbs, tflops / peak_tflops))
+            rows.append(Row(name, n, k, m, impl, dt * 1e6, gbs, tflops, gbs / bw, tflops / peak_tflops, probed))
     return rows
 
 
@@ -183,17 +196,17 @@ def main(args) -> int:
     ms = [int(m) for m in args.m.split(",")]
     bw = roofline.read_bandwidth_gbs()
     peak = roofline.matmul_tflops(dtype)
-    print(f"machine: read {bw:.1f} GB/s, matmul peak {peak * 1e3:.1f} GFLOP/s ({args.dtype} model), "
+    print(f"machine: read {bw:.1f} GB/s at the start (each M's rows against reads probed beside them), matmul peak {peak * 1e3:.1f} GFLOP/s ({args.dtype} model), "
           f"{torch.get_num_threads()} threads")
     rows = []
     for name, (n, k) in shapes.items():
         rows += bench_shape(name, n, k, ms, dtype, args.impls.split(","), bw, peak, args.seconds, args.repeats,
-                            args.copies_mib)
-    print(f"{'shape':18s} {'N':>6s} {'K':>5s} {'M':>4s} {'impl':9s} {'us':>10s} {'GB/s':>7s} {'of bw':>6s} "
+                            args.copies_mib, roofline.adjacent_read_gbs)
+    print(f"{'shape':18s} {'N':>6s} {'K':>5s} {'M':>4s} {'impl':9s} {'us':>10s} {'GB/s':>7s} {'read':>6s} {'of bw':>6s} "
           f"{'GFLOP/s':>8s} {'of peak':>7s}")
     for r in rows:
-        print(f"{r.shape:18s} {r.n:6d} {r.k:5d} {r.m:4d} {r.impl:9s} {r.us:10.1f} {r.gbs:7.1f} {r.bw_frac:6.0%} "
-              f"{r.tflops * 1e3:8.1f} {r.peak_frac:7.0%}")
+        print(f"{r.shape:18s} {r.n:6d} {r.k:5d} {r.m:4d} {r.impl:9s} {r.us:10.1f} {r.gbs:7.1f} {r.read_gbs:6.1f} "
+              f"{r.bw_frac:6.0%} {r.tflops * 1e3:8.1f} {r.peak_frac:7.0%}")
     from pagedcore import onednn_linear, vnni_layout
     from pagedcore.kernels import cpu_ext
 
