@@ -196,14 +196,14 @@ def main(args) -> int:
     ms = [int(m) for m in args.m.split(",")]
     bw = roofline.read_bandwidth_gbs()
     peak = roofline.matmul_tflops(dtype)
-    print(f"machine: read {bw:.1f} GB/s at the start (each M's rows against reads probed beside them), matmul peak {peak * 1e3:.1f} GFLOP/s ({args.dtype} model), "
-          f"{torch.get_num_threads()} threads")
+    print(f"machine: read {bw:.1f} GB/s at the start (each M's rows against reads probed beside them), "
+          f"matmul peak {peak * 1e3:.1f} GFLOP/s ({args.dtype} model), {torch.get_num_threads()} threads")
     rows = []
     for name, (n, k) in shapes.items():
         rows += bench_shape(name, n, k, ms, dtype, args.impls.split(","), bw, peak, args.seconds, args.repeats,
                             args.copies_mib, roofline.adjacent_read_gbs)
-    print(f"{'shape':18s} {'N':>6s} {'K':>5s} {'M':>4s} {'impl':9s} {'us':>10s} {'GB/s':>7s} {'read':>6s} {'of bw':>6s} "
-          f"{'GFLOP/s':>8s} {'of peak':>7s}")
+    print(f"{'shape':18s} {'N':>6s} {'K':>5s} {'M':>4s} {'impl':9s} {'us':>10s} {'GB/s':>7s} {'read':>6s} "
+          f"{'of bw':>6s} {'GFLOP/s':>8s} {'of peak':>7s}")
     for r in rows:
         print(f"{r.shape:18s} {r.n:6d} {r.k:5d} {r.m:4d} {r.impl:9s} {r.us:10.1f} {r.gbs:7.1f} {r.read_gbs:6.1f} "
               f"{r.bw_frac:6.0%} {r.tflops * 1e3:8.1f} {r.peak_frac:7.0%}")
