@@ -140,6 +140,30 @@ def test_bench_linears_fractions_against_the_reads_probed_beside_each_m():
     assert all(r.bw_frac == r.gbs / r.read_gbs for r in rows)
 
 
+def test_bench_linears_weights_where_the_engine_keeps_them(monkeypatch):
+    """The packed copies (and int4's) move into huge pages as the engine's weights do (huge_pages.install)."""
+    from pagedcore import huge_pages
+
+    moved = []
+    monkeypatch.setattr(huge_pages, "adopt", lambda ts: moved.append(list(ts)) or 0)
+    linears.bench_shape("k", 192, 576, [1], torch.bfloat16, ["packed", "int4"], 50.0, 1.0, 0.02, copies_mib=2)
+    assert len(moved) == 2 and all(len(ts) >= 2 for ts in moved)
+
+
+def test_read_probe_reads_one_huge_page_buffer():
+    """The read ceiling is read through 2 MiB pages where the C++ ops give them (4 KiB pages read slower here), one
+    buffer a process."""
+    from pagedcore.bench import roofline
+    from pagedcore.kernels import cpu_ext
+
+    x = roofline.read_buffer(4)
+    assert x is roofline.read_buffer(4) and x.dtype == torch.float32 and x.nbytes == 4 << 20
+    assert bool((x == 1).all())
+    if cpu_ext.load() is not None:
+        assert x.data_ptr() % (2 << 20) == 0
+    assert roofline.read_bandwidth_gbs(0.01, mib=4) > 0
+
+
 def test_linear_shapes_of_smollm2(smollm2_dir):
     from transformers import AutoConfig
 

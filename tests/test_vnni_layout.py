@@ -57,8 +57,28 @@ def test_a_row_is_the_same_bits_in_any_call(ext):
         assert torch.equal(ext.packed_linear(x[r0:r1], packed, 200, None), many[r0:r1])
     gate_up = ext.pack_linear_weight_vnni(torch.randn(192, 576, dtype=torch.bfloat16))
     many = ext.packed_linear_silu_mul(x, gate_up, 192, None)
-    for r0, r1 in ((7, 19), (0, 1), (3, 7)):  # up to 4 rows the vdpbf16ps tiles read panels one at a time
+    for r0, r1 in ((7, 19), (0, 1), (3, 7)):  # up to 4 rows the vdpbf16ps tiles read four streams of panels
         assert torch.equal(ext.packed_linear_silu_mul(x[r0:r1], gate_up, 192, None), many[r0:r1])
+
+
+@pytest.mark.parametrize("panels", [1, 2, 3, 5, 8, 9, 13, 18])
+def test_few_rows_stream_any_panel_count(ext, panels):
+    """Up to 4 rows each thread reads its panels as up to four streams (a share of 1-9 panels: streams of unequal
+    length, the last ones ending early): every column of a bias-added product, and of silu(gate) * up, equals the
+    row's bits in a 12-row call (the 6-row tiles) and the fp32 product rounded once, to the sums' error."""
+    torch.manual_seed(panels)
+    n = 16 * panels - 3  # the last panel part padding
+    w, b, x = torch.randn(n, 96, dtype=torch.bfloat16), torch.randn(n), torch.randn(12, 96, dtype=torch.bfloat16)
+    packed = ext.pack_linear_weight_vnni(w)
+    many = ext.packed_linear(x, packed, n, b)
+    gate_up = ext.pack_linear_weight_vnni(torch.randn(32 * panels, 96, dtype=torch.bfloat16))
+    fused = ext.packed_linear_silu_mul(x, gate_up, 32 * panels, None)
+    for rows in (1, 2, 4):
+        got = ext.packed_linear(x[:rows], packed, n, b)
+        assert torch.equal(got, many[:rows])
+        want = x[:rows].double() @ w.double().T + b.double()
+        assert (got.double() - want).abs().max() <= want.abs().max() * 2 ** -8
+        assert torch.equal(ext.packed_linear_silu_mul(x[:rows], gate_up, 32 * panels, None), fused[:rows])
 
 
 def test_fp32_input_is_rounded_to_bf16(ext):

@@ -11,8 +11,9 @@
 // tile once per input step; more rows run two panels x two row tiles.
 // CPUs without AMX but with AVX512-BF16 (AMD Zen 4) run vdpbf16ps tiles of 6 rows x 4 panels over the same layout:
 // one pair row is one zmm (twice the multiply-adds of an fp32 FMA, no widening; 0.38-0.42 TFLOP/s at 512 rows on 2
-// cores against the widened panels' 0.18-0.20); up to 4 rows a panel at a time (kSeqRows). Other CPUs run a scalar
-// loop over it (the engine picks the layout only where AMX or AVX512-BF16 runs; the loop keeps every path testable).
+// cores against the widened panels' 0.18-0.20); up to 4 rows as four streams of panels (kSeqRows). Other CPUs run a
+// scalar loop over it (the engine picks the layout only where AMX or AVX512-BF16 runs; the loop keeps every path
+// testable).
 // Products of bf16 are exact in fp32 and accumulated in fp32; the result rounds once to x's dtype: results equal the
 // panels' up to the order of the fp32 sums.
 #include "ops.h"
@@ -226,13 +227,16 @@ constexpr int64_t DR = 6;   // rows per tile
 constexpr int64_t DP = 4;   // panels per tile
 constexpr int64_t KB = 8;    // pair steps between prefetches
 constexpr int64_t DMC = 96;  // rows of x per cache block (96 bf16 rows of K <= 2048 stay in L2)
-// Up to this many rows the panels run one after another, each read start to end with one chain per row (the same
-// sums, in the same order, as the 4-panel tiles: a row's bits do not depend on the rows beside it). Zen 4, 2 threads,
-// the bundled model's 30 gate/up weights from memory, 1 row: 4 panels side by side (4 streams a thread, the next group
-// prefetched) took 1.03-1.14x torch's sum over as many bytes where memory gave 50-65 GB/s, panel by panel without
-// prefetches 0.74-0.92x. GEMM phases of a decode step, one process alternating the two: 1 row 6.16 -> 5.89 ms (37 of
-// 40 steps faster), 4 rows 6.19 -> 5.80 (36 of 40); 5 rows 5.30 -> 5.17 (18 of 40: noise); 6 rows 5.13 -> 6.54 (1 of
-// 40: six broadcasts of x a step for one panel's load, where 4 panels share them).
+// Up to this many rows a thread's panels run as four streams, each a run of adjacent panels read start to end with
+// one chain per row and panel (the same sums, in the same order, as the 6-row tiles: a row's bits do not depend on
+// the rows beside it). One stream (a panel at a time) is one vdpbf16ps chain per row: its latency caps a row at
+// ~38 GB/s a thread from cache (2 threads, weights in L2: q 8.5 -> 4.0 us, down 23 -> 10 us with four streams), near
+// what memory gives a thread in fast spells. From memory, weights in huge pages (as the engine holds them), 1 row:
+// the same or a few % faster (q 48.6 -> 51.4, k/v 37.7 -> 40.6 GB/s where a read probe gave 52); decode steps of the
+// bundled model, one process alternating: GEMM phase at 1 row 14 of 16 faster (8.54 -> 8.21 ms) and 9 of 16, at 4
+// rows 13 of 16, at 2 rows 8 of 16. Side by side with the next group prefetched instead (an earlier layout) was
+// slower: 1.03-1.14x torch's sum over as many bytes against 0.74-0.92x a panel at a time; 6 rows x 1 panel 5.13 ->
+// 6.54 ms against 5 rows (six broadcasts of x a step for one panel's load, where 4 panels share them).
 constexpr int64_t kSeqRows = 4;
 #define DP_PANELS(X, r) X(r, 0) X(r, 1) X(r, 2) X(r, 3)
 #define DP_ROWS_PANELS(X) DP_PANELS(X, 0) DP_PANELS(X, 1) DP_PANELS(X, 2) DP_PANELS(X, 3) DP_PANELS(X, 4) DP_PANELS(X, 5)
@@ -308,12 +312,13 @@ inline void dp_tile(int64_t rows, int64_t np, const c10::BFloat16* a, int64_t ld
   }
 }
 
-// One panel b (K / 2 pairs) for rows [0, M <= DR) into c, start to end, with this tile's share of the stream's lines.
-inline void dp_one_panel(int64_t M, const c10::BFloat16* A, int64_t K, const c10::BFloat16* b, float* c,
-                         LineStream* stream) {
+// np panels (at b + (q % 2) * ps + (q / 2) * hs) for rows [0, M <= DR) into c, each start to end, with this tile's
+// share of the stream's lines.
+inline void dp_stream_tile(int64_t M, int64_t np, const c10::BFloat16* A, int64_t K, const c10::BFloat16* b,
+                           int64_t ps, int64_t hs, float* c, LineStream* stream) {
   const auto [pf2, pf2_n] = stream != nullptr ? stream->take() : std::pair<const char*, int64_t>{nullptr, 0};
   const int64_t pairs = K / 2, every = std::max<int64_t>(1, pairs / std::max<int64_t>(1, pf2_n));
-  dp_tile(M, 1, A, K, b, 0, 0, pairs, c, nullptr, 0, 1, pf2, pf2_n, every);
+  dp_tile(M, np, A, K, b, ps, hs, pairs, c, nullptr, 0, 1, pf2, pf2_n, every);
 }
 
 // Panels [p0, p1) for every row: groups of DP panels, each over the row tiles of a cache block of x; the next
@@ -325,11 +330,14 @@ void dp_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int
   const c10::BFloat16* A = in.xb_rows != nullptr ? in.xb_rows : in.xb.data();
   alignas(64) float c[DP * DR * NR];
   if (M <= kSeqRows) {
-    // One row tile: the panels one after another, each read start to end (one stream a thread, no prefetches).
-    if (stream != nullptr) stream->pace(p1 - p0);
-    for (int64_t p = p0; p < p1; ++p) {
-      dp_one_panel(M, A, K, W + p * ps, c, stream);
-      store_block(c, NR, M, std::min(NR, N - p * NR), w.bias, p * NR, y, N);
+    // One row tile over four streams G panels apart, each read start to end (no prefetches).
+    const int64_t L = p1 - p0, G = (L + DP - 1) / DP;
+    if (stream != nullptr) stream->pace(G);
+    for (int64_t j = 0; j < G; ++j) {
+      const int64_t p = p0 + j, np = (L - j + G - 1) / G;  // the streams with a panel left
+      dp_stream_tile(M, np, A, K, W + p * ps, G * ps, 2 * G * ps, c, stream);
+      for (int64_t q = 0; q < np; ++q)
+        store_block(c + q * DR * NR, NR, M, std::min(NR, N - (p + q * G) * NR), w.bias, (p + q * G) * NR, y, N);
     }
     return;
   }
@@ -363,12 +371,16 @@ void dp_silu_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0
   const c10::BFloat16* A = in.xb_rows != nullptr ? in.xb_rows : in.xb.data();
   alignas(64) float c[DP * DR * NR];
   if (M <= kSeqRows) {
-    // One row tile: a gate panel, then its up panel, each read start to end (as dp_panels).
-    if (stream != nullptr) stream->pace(2 * (p1 - p0));
-    for (int64_t p = p0; p < p1; ++p) {
-      dp_one_panel(M, A, K, W + p * ps, c, stream);
-      dp_one_panel(M, A, K, W + (half + p) * ps, c + DR * NR, stream);
-      zmm::store_silu_mul(c, c + DR * NR, M, w.bias, p * NR, (half + p) * NR, y + p * NR, I);
+    // One row tile over two gate streams G panels apart and their up panels (as dp_panels: four streams).
+    const int64_t L = p1 - p0, G = (L + 1) / 2;
+    if (stream != nullptr) stream->pace(G);
+    for (int64_t j = 0; j < G; ++j) {
+      const int64_t p = p0 + j, np = (L - j + G - 1) / G;
+      // gate p (and p + G), then their up panels: the tiles' panel q at b + (q % 2) * ps + (q / 2) * hs
+      dp_stream_tile(M, 2 * np, A, K, W + p * ps, np == 2 ? G * ps : hs, hs, c, stream);
+      for (int64_t q = 0; q < np; ++q)
+        zmm::store_silu_mul(c + q * DR * NR, c + (np + q) * DR * NR, M, w.bias, (p + q * G) * NR,
+                            (half + p + q * G) * NR, y + (p + q * G) * NR, I);
     }
     return;
   }

@@ -89,7 +89,7 @@ def bench_shape(name, n, k, ms, dtype, impls, bw_gbs, peak_tflops, seconds, repe
     """Rows of one shape; with `read_probe`, each M's bandwidth fractions against the reads probed just before and
     after its rows (roofline.between_probes: this host's reads move 30 -> 57 GB/s within minutes, so one probe at
     the start once judged a 35 GB/s stream against 55)."""
-    from pagedcore import onednn_linear, vnni_layout
+    from pagedcore import huge_pages, onednn_linear, vnni_layout
     from pagedcore.kernels import cpu_ext
     from pagedcore.quantization import Int4Linear
 
@@ -102,6 +102,7 @@ def bench_shape(name, n, k, ms, dtype, impls, bw_gbs, peak_tflops, seconds, repe
         # as the engine packs them (packed_linear.py): bf16 in VNNI pairs where AMX or AVX512-BF16 runs
         packed = [ext.pack_linear_weight_vnni(w) if vnni_layout.applies(ext, w) else ext.pack_linear_weight(w)
                   for w in weights]
+        huge_pages.adopt(packed)  # where the engine keeps them (4 KiB pages read slower: roofline.read_buffer)
         if "packed" in impls:
             runners["packed"] = (lambda x, j: ext.packed_linear(x, packed[j % copies], n), n * k * elem)
         if "stack" in impls:
@@ -120,6 +121,7 @@ def bench_shape(name, n, k, ms, dtype, impls, bw_gbs, peak_tflops, seconds, repe
              for _ in range(max(2, math.ceil(copies_mib * 2**20 / int4_bytes)))]
         if q[0].ext is not None:
             int4_bytes = q[0].packed.nbytes + q[0].scales_and_zeros.nbytes  # as packed (padding included)
+            huge_pages.adopt([t for layer in q for t in (layer.packed, layer.scales_and_zeros)])
         if "int4" in impls:
             runners["int4"] = (lambda x, j: q[j % len(q)](x), int4_bytes)
         if "int4-fp32" in impls and q[0].ext is not None:
