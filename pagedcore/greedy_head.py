@@ -15,7 +15,11 @@ A bf16 head in VNNI pairs (vnni_layout.py), where the AVX512-BF16 tiles run it, 
 codes against int8 W codes (vpdpbusd, twice vdpbf16ps's rate), the candidates' logits as those tiles give and
 round them to bf16; its argmax is the bf16 logits' argmax, bit for bit. It keeps the head's values by rows too
 (the candidates' exact logits read them there: a column of the pairs spans K / 2 cache lines), V * K bf16 more
-memory (56 MB on the bundled model).
+memory (56 MB on the bundled model). On AMX CPUs the pairs run on AMX tiles, whose fp32 sums no other instruction
+reproduces bit for bit (neither a sequential nor a blockwise exact sum matched them): there the head's own tiles
+compute every logit and fold it into the argmax unstored (cpu_gemm_vnni.cpp, greedy_head_amx), so the token is the
+bf16 logits' argmax by construction; what it saves is the logits' store and torch's argmax, and it lets multi-step
+decode and the stack's ids path run there too.
 """
 
 from __future__ import annotations
@@ -45,8 +49,10 @@ class ArgmaxTokens:
 
 
 class GreedyHead:
-    def __init__(self, ext, head: nn.Module, vocab_size: int, embedding: torch.Tensor | None = None):
+    def __init__(self, ext, head: nn.Module, vocab_size: int, embedding: torch.Tensor | None = None,
+                 tied: bool = False):
         self.ext, self.head, self.vocab_size = ext, head, vocab_size
+        self.amx = False
         self.forward = head.__dict__.get("forward")  # the packed forward the head had when the codes were made
         panels = head._pagedcore_packed
         self.dtype = panels.dtype
@@ -58,6 +64,15 @@ class GreedyHead:
             self.weight = self.weight.contiguous()
             self.codes, self.stats = ext.greedy_head_pack(self.weight.float())
             head._pagedcore_rows = (panels, self.weight)  # a tied input embedding's rows, as for VNNI pairs
+        elif self.dtype == torch.bfloat16 and ext.greedy_head_amx_supported():
+            # VNNI pairs on AMX tiles: every logit as the head's own tiles give it (no codes: their sums are AMX's
+            # own, which no other instruction reproduces bit for bit), folded into the argmax unstored.
+            self.amx, self.codes, self.weight = True, None, None
+            if tied:  # the tied input embedding's rows, as below (a lookup from the pairs is ~10x slower)
+                count, pairs = panels.shape[:2]
+                self.weight = panels.view(count, pairs, PANEL, 2).permute(0, 2, 1, 3).reshape(-1, 2 * pairs)
+                self.weight = self.weight[:vocab_size].contiguous()
+                head._pagedcore_rows = (panels, self.weight)
         elif self.dtype == torch.bfloat16:  # VNNI pairs: the exact logits read a copy of their values by rows
             self.codes, self.stats, self.colsum = ext.greedy_head_pack_bf16(panels, vocab_size)
             count, pairs = panels.shape[:2]  # [P, K / 2, 16 columns x 2] -> [V, K] (vnni_layout.rows, as one copy)
@@ -75,7 +90,7 @@ class GreedyHead:
         self.rows = self.exact = 0  # rows answered, logits computed exactly for them (stats)
         # Every call streams the codes (28 MB on the bundled model) and reads the candidates' rows: in 4 KiB pages
         # each 4 KiB of them is a TLB miss (as for the packed weights, huge_pages.py).
-        huge_pages.adopt([self.codes] + ([self.weight] if self.weight is not embedding else []))
+        huge_pages.adopt([t for t in (self.codes, self.weight) if t is not None and t is not embedding])
 
     @classmethod
     def build(cls, ext, model: nn.Module) -> "GreedyHead | None":
@@ -87,7 +102,7 @@ class GreedyHead:
             return None
         vocab = head.out_features
         if panels.dtype == torch.bfloat16 and vnni_layout.is_packed(panels):
-            if not ext.greedy_head_bf16_supported():
+            if not (ext.greedy_head_bf16_supported() or ext.greedy_head_amx_supported()):
                 return None
             depth = 2 * panels.shape[1]
         elif panels.dtype == torch.bfloat16 and panels.dim() == 3 and panels.shape[2] == PANEL:
@@ -101,7 +116,8 @@ class GreedyHead:
         if vocab > panels.shape[0] * PANEL or depth > 1032:
             return None
         embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        return cls(ext, head, vocab, getattr(embed, "weight", None))
+        tied = "_panel_lookup" in getattr(getattr(embed, "__dict__", {}).get("forward"), "__qualname__", "")
+        return cls(ext, head, vocab, getattr(embed, "weight", None), tied=tied)
 
     def argmax(self, hidden: torch.Tensor) -> ArgmaxTokens | None:
         """The argmax of lm_head(hidden) per row; None where the head was replaced since, or a row (its input or
@@ -110,7 +126,12 @@ class GreedyHead:
             return None
         if self.head.__dict__.get("_pagedcore_packed") is not self.panels:  # re-pointed since
             return None
-        if self.colsum is not None:
+        if self.amx:
+            tokens = self.ext.greedy_head_amx(hidden, self.panels, self.vocab_size)
+            if int(tokens.min()) < 0:
+                return None
+            exact = len(tokens) * self.vocab_size  # every logit, as the head's tiles give it
+        elif self.colsum is not None:
             # The outlier dims are picked again (and their weights gathered: ~0.5 ms, strided) only when the step's
             # largest |x| lies outside them (the kernel says so before computing anything): massive activations keep
             # to their dims, and which dims are out changes the bound only. The checks run in the kernel's call: as

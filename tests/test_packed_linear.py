@@ -189,8 +189,9 @@ def test_panel_lookup_reads_the_greedy_heads_row_copy(ext):
     from pagedcore.greedy_head import GreedyHead
 
     vnni = vnni_layout.enabled(ext)
-    if not (ext.greedy_head_bf16_supported() if vnni else ext.greedy_head_bf16_panels_supported()):
-        pytest.skip("the bf16 greedy head runs on AVX512-BF16 CPUs without AMX, or AVX2 CPUs")
+    pairs_head = ext.greedy_head_bf16_supported() or ext.greedy_head_amx_supported()
+    if not (pairs_head if vnni else ext.greedy_head_bf16_panels_supported()):
+        pytest.skip("the bf16 greedy head runs on AVX512-BF16 or AMX CPUs, or AVX2 CPUs")
     torch.manual_seed(0)
     model = torch.nn.Module()
     model.embed = torch.nn.Embedding(40, 64, dtype=torch.bfloat16)
@@ -200,7 +201,7 @@ def test_panel_lookup_reads_the_greedy_heads_row_copy(ext):
     want = model.embed(ids)
     packed_linear.install(model, torch.device("cpu"))
     packed_linear.release_dense(model)
-    head = GreedyHead(ext, model.lm_head, 40)
+    head = GreedyHead(ext, model.lm_head, 40, tied=True)  # (the AMX head keeps the rows for a tied embedding only)
     rows = model.lm_head._pagedcore_rows
     assert rows[0] is model.lm_head._pagedcore_packed and rows[1] is head.weight
     with torch.inference_mode():

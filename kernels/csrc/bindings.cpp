@@ -68,6 +68,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight_vnni", &pack_linear_weight_vnni,
         "bf16 W [N, K] (K a multiple of 32) -> VNNI pairs [ceil(N/16), K/2, 32] for packed_linear (AMX tiles)");
   m.def("vnni_amx", &vnni_amx, "whether AMX tiles run here (the CPU has them and the OS granted their state)");
+  m.def("greedy_head_amx_supported", &greedy_head_amx_supported, "whether greedy_head_amx runs here (AMX tiles)");
+  m.def("greedy_head_amx", &greedy_head_amx, py::arg("x"), py::arg("packed"), py::arg("vocab"),
+        "the argmax of each bf16 row's logits over an LM head in VNNI pairs, on AMX tiles (the logits the head gives, "
+        "rounded to bf16, never stored; the first of equals; -1 where a logit is not finite)");
   m.def("vnni_dpbf16", &vnni_dpbf16, "whether AVX512-BF16 vdpbf16ps tiles run the VNNI pairs here (no AMX)");
   m.def("pack_int4_weight", &pack_int4_weight,
         "q uint8 [N, K], scale/min (or scale/zero point) [N, K/G] -> int4 panels, scale/min panels");

@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 namespace {
 
@@ -212,6 +213,62 @@ void amx_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, in
       store(c, 16, m0, 16, p);
     }
 }
+
+#if defined(__AVX512BF16__)
+// Greedy rows' LM head on AMX tiles: each 16-row x 64-column block of logits as amx_panels computes it (the same
+// tiles, so the same fp32 sums: AMX's are the same whatever the tile shape or row count), rounded to bf16 as its
+// stores round them, folded into each row's running argmax (the first of equals, as argmax_logsumexp picks) and
+// never stored. A row meeting a logit that is not finite gets nan_row set: the caller computes its logits.
+struct RowBest {  // lane j: the largest logit seen in columns = j (mod 16), and its column (the first of equals)
+  alignas(64) float v[16];
+  int32_t i[16];
+  bool bad = false;
+  RowBest() { std::fill(v, v + 16, -std::numeric_limits<float>::infinity()), std::fill(i, i + 16, -1); }
+};
+
+__attribute__((target("amx-tile,amx-bf16"))) void amx_argmax(const c10::BFloat16* A, int64_t M, int64_t K,
+                                                             const c10::BFloat16* W, int64_t vocab, int64_t p0,
+                                                             int64_t p1, RowBest* best) {
+  const int64_t ps = K * NR;
+  alignas(64) float c[16 * 64];
+  config_tiles();
+  const __m512i exponent = _mm512_set1_epi32(0x7F800000), lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
+                                                                                   5, 4, 3, 2, 1, 0);
+  auto fold = [&](const float* blk, int64_t ldc, int64_t m0, int64_t p, int64_t np) {
+    const int64_t rows = std::min<int64_t>(16, M - m0);
+    for (int64_t q = 0; q < np; ++q) {
+      const int64_t n0 = (p + q) * NR, cols = std::min(NR, vocab - n0);
+      if (cols <= 0) return;
+      const __mmask16 live = cols == NR ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+      const __m512i col = _mm512_add_epi32(lane, _mm512_set1_epi32(int32_t(n0)));
+      for (int64_t r = 0; r < rows; ++r) {
+        // rounded to bf16 as the logits path stores it (nearest even), widened back: exact
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(blk + r * ldc + q * NR));
+        const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+        RowBest& b = best[m0 + r];
+        // inf or NaN: the exponent all ones
+        b.bad |= _mm512_mask_cmpeq_epi32_mask(live, _mm512_and_si512(bits, exponent), exponent) != 0;
+        const __m512 v = _mm512_castsi512_ps(bits), old = _mm512_load_ps(b.v);
+        const __mmask16 up = _mm512_mask_cmp_ps_mask(live, v, old, _CMP_GT_OQ);  // strictly: the first of equals stays
+        _mm512_store_ps(b.v, _mm512_mask_mov_ps(old, up, v));
+        _mm512_storeu_si512(b.i, _mm512_mask_mov_epi32(_mm512_loadu_si512(b.i), up, col));
+      }
+    }
+  };
+  // Row tiles inner: a group's panels (4 x K x 32 bytes) stay in L1/L2 for every row tile.
+  int64_t p = p0;
+  for (; p + 4 <= p1; p += 4)
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+      amx_4x1(A + m0 * K, W + p * ps, K, c);
+      fold(c, 64, m0, p, 4);
+    }
+  for (; p < p1; ++p)
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+      amx_1x1(A + m0 * K, W + p * ps, K, c);
+      fold(c, 16, m0, p, 1);
+    }
+}
+#endif
 #endif
 
 #if defined(__AVX512BF16__)
@@ -509,6 +566,53 @@ void vnni_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_ty
   if (x_type == at::kFloat) return panels_of(w, in, static_cast<float*>(y), p0, p1, side);
   TORCH_CHECK(x_type == at::kBFloat16, "x: float32 or bfloat16");
   panels_of(w, in, static_cast<c10::BFloat16*>(y), p0, p1, side);
+}
+
+torch::Tensor greedy_head_amx(torch::Tensor x, torch::Tensor packed, int64_t vocab) {
+  TORCH_CHECK(greedy_head_amx_supported(), "greedy_head_amx: needs AMX tiles");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: bf16 [M, K]");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(2) == 2 * NR && 2 * packed.size(1) == x.size(1),
+              "packed: the head's VNNI pairs [P, K / 2, 32] (pack_linear_weight_vnni)");
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  TORCH_CHECK(vocab > 0 && vocab <= P * NR, "vocab: at most the packed columns");
+  auto tokens = torch::empty({M}, torch::kLong);
+#if defined(__x86_64__) && defined(__AVX512BF16__)
+  // x in whole 16-row tiles (rows past M zero), as amx_panels reads it
+  std::vector<c10::BFloat16> xb((M + 15) / 16 * 16 * K, c10::BFloat16(0.f));
+  const auto xc = x.contiguous();
+  std::memcpy(xb.data(), xc.data_ptr<at::BFloat16>(), M * K * sizeof(c10::BFloat16));
+  const auto* W = static_cast<const c10::BFloat16*>(packed.data_ptr());
+  const int nth = at::get_num_threads();
+  std::vector<std::vector<RowBest>> best(nth, std::vector<RowBest>(M));
+  const int64_t chunk = (P + nth - 1) / nth;
+  at::parallel_for(0, nth, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      amx_argmax(xb.data(), M, K, W, vocab, std::min(P, t * chunk), std::min(P, (t + 1) * chunk), best[t].data());
+  });
+  auto* out = tokens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r) {
+    bool bad = false;
+    float v = -std::numeric_limits<float>::infinity();
+    int64_t i = -1;
+    for (int t = 0; t < nth; ++t) {
+      const RowBest& o = best[t][r];
+      bad |= o.bad;
+      for (int j = 0; j < 16; ++j)
+        if (o.i[j] >= 0 && (i < 0 || o.v[j] > v || (o.v[j] == v && o.i[j] < i))) v = o.v[j], i = o.i[j];
+    }
+    out[r] = bad ? -1 : i;
+  }
+#endif
+  return tokens;
+}
+
+bool greedy_head_amx_supported() {
+#if defined(__x86_64__) && defined(__AVX512BF16__)
+  return vnni_amx();
+#else
+  return false;
+#endif
 }
 
 // out[p][kp][2c + t] = w[16p + c][2kp + t]; padding columns zero.

@@ -53,6 +53,10 @@ torch::Tensor packed_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int6
 torch::Tensor pack_linear_weight_vnni(torch::Tensor weight);
 bool vnni_amx();
 bool vnni_dpbf16();
+// greedy rows' argmax over an LM head in VNNI pairs on AMX tiles: the bf16 logits the head gives, never stored (-1: a
+// logit not finite)
+bool greedy_head_amx_supported();
+torch::Tensor greedy_head_amx(torch::Tensor x, torch::Tensor packed, int64_t vocab);
 // cpu_gemm_int4.cpp
 std::tuple<torch::Tensor, torch::Tensor> pack_int4_weight(torch::Tensor q, torch::Tensor scale, torch::Tensor min,
                                                          int64_t group_size);
