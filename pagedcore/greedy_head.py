@@ -41,6 +41,12 @@ PANEL = 16
 OUTLIER_DIMS = 32
 
 
+def _pair_rows(panels: torch.Tensor, vocab: int) -> torch.Tensor:
+    """VNNI pairs [P, K / 2, 16 columns x 2] -> the head's rows [V, K] (vnni_layout.rows, as one copy)."""
+    count, pairs = panels.shape[:2]
+    return panels.view(count, pairs, PANEL, 2).permute(0, 2, 1, 3).reshape(-1, 2 * pairs)[:vocab].contiguous()
+
+
 @dataclass
 class ArgmaxTokens:
     """A step's sampled rows as token ids only: what the decode stack returns instead of logits."""
@@ -69,15 +75,11 @@ class GreedyHead:
             # own, which no other instruction reproduces bit for bit), folded into the argmax unstored.
             self.amx, self.codes, self.weight = True, None, None
             if tied:  # the tied input embedding's rows, as below (a lookup from the pairs is ~10x slower)
-                count, pairs = panels.shape[:2]
-                self.weight = panels.view(count, pairs, PANEL, 2).permute(0, 2, 1, 3).reshape(-1, 2 * pairs)
-                self.weight = self.weight[:vocab_size].contiguous()
+                self.weight = _pair_rows(panels, vocab_size)
                 head._pagedcore_rows = (panels, self.weight)
         elif self.dtype == torch.bfloat16:  # VNNI pairs: the exact logits read a copy of their values by rows
             self.codes, self.stats, self.colsum = ext.greedy_head_pack_bf16(panels, vocab_size)
-            count, pairs = panels.shape[:2]  # [P, K / 2, 16 columns x 2] -> [V, K] (vnni_layout.rows, as one copy)
-            self.weight = panels.view(count, pairs, PANEL, 2).permute(0, 2, 1, 3).reshape(-1, 2 * pairs)[:vocab_size]
-            self.weight = self.weight.contiguous()
+            self.weight = _pair_rows(panels, vocab_size)
             # A tied input embedding looks its rows up here too (packed_linear._panel_lookup): plain rows, not pairs.
             head._pagedcore_rows = (panels, self.weight)
         else:

@@ -218,7 +218,7 @@ void amx_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, in
 // Greedy rows' LM head on AMX tiles: each 16-row x 64-column block of logits as amx_panels computes it (the same
 // tiles, so the same fp32 sums: AMX's are the same whatever the tile shape or row count), rounded to bf16 as its
 // stores round them, folded into each row's running argmax (the first of equals, as argmax_logsumexp picks) and
-// never stored. A row meeting a logit that is not finite gets nan_row set: the caller computes its logits.
+// never stored. A row meeting a logit that is not finite is marked bad (-1): the caller computes its logits.
 struct RowBest {  // lane j: the largest logit seen in columns = j (mod 16), and its column (the first of equals)
   alignas(64) float v[16];
   int32_t i[16];
