@@ -24,6 +24,9 @@ import torch
 MIN_ROWS = 3  # measured: the panels ran 1-2 rows faster (12.8 vs 15.1 ms a step), 3 rows 1.5x slower
 # Measured against the VNNI pairs' AMX kernel over a step's linears: 64 rows 16.0 vs 16.3 ms, 128 rows 23.4 vs 22.7,
 # 512 rows 75 vs 60 (bench throughput's prefill-heavy mix: 615-623 tok/s on the pairs alone, 663-678 before them).
+# Session 48, the pairs' tiles reading x in place (AMX Xeon, bench linears, us): at 512 rows ours ahead on q/o/down/qkv
+# (o 187 vs 337, down 521 vs 912) and behind on gate_up (1123 vs 912); at 2048 rows oneDNN ahead on all (o 693 vs 557,
+# gate_up 4063 vs 2970). Offline, from 128 / from 512 / never: 728, 697 / 739, 718 / 688, 717 tok/s (noise): kept.
 PREFILL_ROWS = 128
 
 

@@ -29,7 +29,8 @@ def _rounded_once(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("m", ROW_COUNTS)
-@pytest.mark.parametrize("n,k,bias", [(40, 64, True), (200, 96, False), (96, 1536, True)])
+# (400, 1536): 25 panels, past one AMX block of panel pairs (BLOCK_BYTES: 10 panels at K = 1536) and one left over
+@pytest.mark.parametrize("n,k,bias", [(40, 64, True), (200, 96, False), (96, 1536, True), (400, 1536, False)])
 def test_op_is_fp32_math_rounded_once(ext, m, n, k, bias):
     torch.manual_seed(m + n)
     w = torch.randn(n, k, dtype=torch.bfloat16)

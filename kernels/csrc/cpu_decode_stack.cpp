@@ -148,7 +148,8 @@ double time_stack_linears(torch::Tensor x, std::vector<torch::Tensor> weights, i
   const void* xp = x.data_ptr();
   void* yp = y.data_ptr();
   GemmInput in;
-  gemm_input_resize(ls[0], T, in, xt == at::kFloat ? x.data_ptr<float>() : nullptr);
+  gemm_input_resize(ls[0], T, in, xt == at::kFloat ? x.data_ptr<float>() : nullptr,
+                    xt == at::kBFloat16 ? static_cast<const c10::BFloat16*>(x.data_ptr()) : nullptr);
   const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), omp_get_max_threads()));
   const auto t0 = std::chrono::steady_clock::now();
 #pragma omp parallel num_threads(nth)
@@ -265,12 +266,17 @@ class DecodeStack {
     for (const auto& l : layers_)
       weights.push_back({resolve(l.qkv.w), resolve(l.o.w), resolve(l.gate_up.w), resolve(l.down.w)});
     GemmInput in_qkv, in_o, in_gu, in_down;
-    // fp32 inputs are read in place from the step's buffers where the tiles can (gemm_input_resize).
+    // Inputs are read in place from the step's buffers where the tiles can (gemm_input_resize): fp32 by the panels,
+    // bf16's whole 16-row tiles by AMX (64-row step 41.8 / 40.1 / 40.4 -> 40.1 / 39.5 / 38.7 ms, alternated
+    // processes; the copies cost ~0.7 ms at 64 rows even streamed).
     auto fp32 = [&](const torch::Tensor& t) { return dtype == at::kFloat ? t.data_ptr<float>() : nullptr; };
-    gemm_input_resize(weights[0].qkv, T, in_qkv, fp32(b.normed));
-    gemm_input_resize(weights[0].o, T, in_o, fp32(b.attn));
-    gemm_input_resize(weights[0].gate_up, T, in_gu, fp32(b.normed));
-    gemm_input_resize(weights[0].down, T, in_down, fp32(b.act));
+    auto bf16 = [&](const torch::Tensor& t) {
+      return dtype == at::kBFloat16 ? static_cast<const c10::BFloat16*>(t.data_ptr()) : nullptr;
+    };
+    gemm_input_resize(weights[0].qkv, T, in_qkv, fp32(b.normed), bf16(b.normed));
+    gemm_input_resize(weights[0].o, T, in_o, fp32(b.attn), bf16(b.attn));
+    gemm_input_resize(weights[0].gate_up, T, in_gu, fp32(b.normed), bf16(b.normed));
+    gemm_input_resize(weights[0].down, T, in_down, fp32(b.act), bf16(b.act));
     Inputs in{in_qkv, in_o, in_gu, in_down};
     if (onednn_rows > 0 && T >= onednn_rows) {
       for (const auto& l : layers_) TORCH_CHECK(l.onednn.size() == 4, "a layer without oneDNN weights");

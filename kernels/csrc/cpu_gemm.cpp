@@ -466,9 +466,13 @@ void panels_of(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, int
 bool gemm_reads_x_in_place(const PackedWeight& w, int64_t M) { return reads_x_in_place(w, M); }
 
 
-void gemm_input_resize(const PackedWeight& w, int64_t M, GemmInput& in, const float* fp32_x) {
-  in.direct = nullptr;  // `in` may be a kept one, last used by a call that read its x in place
-  if (w.vnni) return vnni_input_resize(w, M, in);
+void gemm_input_resize(const PackedWeight& w, int64_t M, GemmInput& in, const float* fp32_x,
+                       const c10::BFloat16* bf16_x) {
+  // `in` may be a kept one, last used by a call that read its x in place
+  in.direct = nullptr;
+  in.xb_rows = nullptr;
+  in.amx = false;
+  if (w.vnni) return vnni_input_resize(w, M, in, bf16_x);
   const int64_t K = w.K;
   in.M = M;
   in.direct = fp32_x != nullptr && reads_x_in_place(w, M) ? fp32_x : nullptr;

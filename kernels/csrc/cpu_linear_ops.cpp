@@ -67,6 +67,18 @@ bool run_by_rows(const PackedWeight& w, const torch::Tensor& x2, const Run& run)
   return true;
 }
 
+// x2's rows as w's input: fp32 read in place where the panels can, bf16's whole 16-row tiles in place where AMX runs,
+// the rest copied (split between threads).
+void prepare_input(const PackedWeight& w, const torch::Tensor& x2, GemmInput& in) {
+  const bool fp32 = x2.scalar_type() == at::kFloat;
+  gemm_input_resize(w, x2.size(0), in, fp32 ? x2.data_ptr<float>() : nullptr,
+                    fp32 ? nullptr : static_cast<const c10::BFloat16*>(x2.data_ptr()));
+  if (in.direct != nullptr || in.rows_in_place() == in.M) return;
+  at::parallel_for(0, gemm_input_tiles(in), grain_for((in.int8 ? 1 : MR) * w.K), [&](int64_t b, int64_t e) {
+    gemm_input_fill(w, x2.scalar_type(), x2.data_ptr(), in, b, e);
+  });
+}
+
 // One linear as a torch op: a prompt's rows split (run_by_rows), or x prepared over the row tiles, then the panels
 // split between threads (each weight panel read by one thread only). Grain: about 64k multiply-adds per chunk, so a
 // tiny matmul runs inline.
@@ -82,11 +94,8 @@ void run_linear(const PackedWeight& w, const torch::Tensor& x2, torch::Tensor& y
   // A reference: the parallel_for lambdas below must reach this thread's buffer, not their own thread's.
   static thread_local GemmInput kept;
   GemmInput& in = kept;
-  gemm_input_resize(w, x2.size(0), in, x2.scalar_type() == at::kFloat ? x2.data_ptr<float>() : nullptr);
+  prepare_input(w, x2, in);
   const int64_t M = in.M;
-  at::parallel_for(0, gemm_input_tiles(in), grain_for((in.int8 ? 1 : MR) * w.K), [&](int64_t b, int64_t e) {
-    gemm_input_fill(w, x2.scalar_type(), x2.data_ptr(), in, b, e);
-  });
   at::parallel_for(0, w.panels(), grain_for(M * w.K * NR, 65536), [&](int64_t p0, int64_t p1) {
     std::vector<float> wbuf;
     gemm_panels(w, in, x2.scalar_type(), y.data_ptr(), p0, p1, wbuf);
@@ -149,10 +158,7 @@ torch::Tensor run_packed_silu_mul(const torch::Tensor& x, PackedWeight w, const 
     return y.view(out_sizes);
   static thread_local GemmInput kept;  // as run_linear's
   GemmInput& in = kept;
-  gemm_input_resize(w, M, in, x2.scalar_type() == at::kFloat ? x2.data_ptr<float>() : nullptr);
-  at::parallel_for(0, gemm_input_tiles(in), grain_for(MR * w.K), [&](int64_t t0, int64_t t1) {
-    gemm_input_fill(w, x2.scalar_type(), x2.data_ptr(), in, t0, t1);
-  });
+  prepare_input(w, x2, in);
   at::parallel_for(0, silu_mul_chunks(w), grain_for(4 * M * w.K * NR, 65536), [&](int64_t c0, int64_t c1) {
     std::vector<float> wbuf;
     silu_mul_panels(w, in, x2.scalar_type(), y.data_ptr(), c0, c1, wbuf);

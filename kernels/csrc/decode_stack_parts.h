@@ -112,8 +112,16 @@ struct GemmInput {
   std::vector<float> xp, d, xs;
   std::vector<int8_t> xq;
   std::vector<c10::BFloat16> xb;  // VNNI weights: x in bf16 rows (whole 16-row tiles where AMX runs)
-  const c10::BFloat16* xb_rows = nullptr;  // VNNI weights without AMX: bf16 x read where it lies (row stride K)
+  // VNNI weights, bf16 x read where it lies (row stride K): without AMX every row; with AMX its whole 16-row tiles,
+  // xb then holding the rest (the last, partial tile).
+  const c10::BFloat16* xb_rows = nullptr;
   bool amx = false;
+  int64_t rows_in_place() const { return xb_rows != nullptr ? (amx ? M / 16 * 16 : M) : 0; }
+  // AMX: the 16-row tile of x starting at row m0 (a multiple of 16), row stride K.
+  const c10::BFloat16* tile(int64_t m0, int64_t K) const {
+    const int64_t in_place = rows_in_place();
+    return m0 < in_place ? xb_rows + m0 * K : xb.data() + (m0 - in_place) * K;
+  }
   // fp32 x read where it lies (row stride K) by the AVX-512 tiles, instead of a packed copy in xp: the copy of a
   // 2048-row prompt's x cost ~10% of its matmul (down_proj), for no faster tile.
   const float* direct = nullptr;
@@ -121,13 +129,16 @@ struct GemmInput {
 
 // Size `in` for M rows of x against w; then fill it by tiles [t0, t1) of gemm_input_tiles(...). fp32_x: x itself
 // where it is fp32 [M, K] contiguous and stays put until the panels have run (then it may be read in place).
-void gemm_input_resize(const PackedWeight& w, int64_t M, GemmInput& in, const float* fp32_x = nullptr);
+// bf16_x: x itself where it is bf16 [M, K] contiguous and stays put until the panels have run (the AMX tiles read
+// its whole 16-row tiles in place).
+void gemm_input_resize(const PackedWeight& w, int64_t M, GemmInput& in, const float* fp32_x = nullptr,
+                       const c10::BFloat16* bf16_x = nullptr);
 int64_t gemm_input_tiles(const GemmInput& in);
 void gemm_input_fill(const PackedWeight& w, at::ScalarType x_type, const void* x, GemmInput& in, int64_t t0,
                      int64_t t1);
 // The same for weights in the VNNI pair layout (cpu_gemm_vnni.cpp), which the functions above call: fill takes
 // rows [r0, r1) here.
-void vnni_input_resize(const PackedWeight& w, int64_t M, GemmInput& in);
+void vnni_input_resize(const PackedWeight& w, int64_t M, GemmInput& in, const c10::BFloat16* bf16_x = nullptr);
 void vnni_input_fill(const PackedWeight& w, at::ScalarType x_type, const void* x, GemmInput& in, int64_t r0,
                      int64_t r1);
 void vnni_panels(const PackedWeight& w, const GemmInput& in, at::ScalarType x_type, void* y, int64_t p0, int64_t p1,
