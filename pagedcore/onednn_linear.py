@@ -1,6 +1,6 @@
 """bf16 linears past a few rows through oneDNN's pre-packed matmul, on CPUs with AMX tiles: from 3 rows beside
 the panels, from PREFILL_ROWS beside the VNNI pairs (vnni_layout.py, the default there), whose own AMX kernel is
-as fast up to ~100 rows and slower for prefill.
+faster up to ~1000 rows and slower for 2048-row prefill chunks.
 
 The panels of packed_linear.py widen bf16 to fp32 and multiply with FMA (~0.2 TFLOP/s on 2 cores). A CPU
 with AMX (Intel Sapphire Rapids and later) multiplies bf16 in tiles: oneDNN reached 2-3 TFLOP/s on 2 cores
@@ -24,10 +24,11 @@ import torch
 MIN_ROWS = 3  # measured: the panels ran 1-2 rows faster (12.8 vs 15.1 ms a step), 3 rows 1.5x slower
 # Measured against the VNNI pairs' AMX kernel over a step's linears: 64 rows 16.0 vs 16.3 ms, 128 rows 23.4 vs 22.7,
 # 512 rows 75 vs 60 (bench throughput's prefill-heavy mix: 615-623 tok/s on the pairs alone, 663-678 before them).
-# Session 48, the pairs' tiles reading x in place (AMX Xeon, bench linears, us): at 512 rows ours ahead on q/o/down/qkv
-# (o 187 vs 337, down 521 vs 912) and behind on gate_up (1123 vs 912); at 2048 rows oneDNN ahead on all (o 693 vs 557,
-# gate_up 4063 vs 2970). Offline, from 128 / from 512 / never: 728, 697 / 739, 718 / 688, 717 tok/s (noise): kept.
-PREFILL_ROWS = 128
+# Since the pairs' AMX tiles read x in place (session 48, AMX Xeon, `bench linears`, us a call, a layer's qkv + o +
+# gate_up + down): 512 rows 2179 vs 2542 and 1024 rows 4258 vs 5182 (ours ahead on all but gate_up), 2048 rows 7869
+# vs 6379 (oneDNN ahead on all). Offline (`bench throughput`, mostly 2048-token prompt chunks), oneDNN from 128 /
+# 1024 rows / never: 697, 696 / 691, 692 / 667, 601 tok/s.
+PREFILL_ROWS = 1024
 
 
 def _rows_from(setting: str) -> int | None:

@@ -174,7 +174,7 @@ def test_weights_resident_once(ext, tiny_model_dir, monkeypatch):
 
 
 @pytest.mark.skipif(not onednn_linear.available(), reason="oneDNN packs no bf16 weights on this CPU")
-@pytest.mark.parametrize("m", [100, 200])
+@pytest.mark.parametrize("m", [onednn_linear.PREFILL_ROWS - 1, onednn_linear.PREFILL_ROWS])
 def test_onednn_beside_the_pairs_only_for_prefill(ext, monkeypatch, m):
     """oneDNN on (AMX CPUs' default, forced here): beside the pairs it keeps its copy for PREFILL_ROWS rows and
     more, where its blocking multiplies faster; below, the pairs run. Either way the fp32 product rounded once."""
