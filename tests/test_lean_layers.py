@@ -110,3 +110,37 @@ def test_layer_ops_match_transformers_ops(ext, dtype):
     torch.testing.assert_close(normed, norm(residual + x), rtol=1e-5 if dtype == torch.float32 else 2 ** -6, atol=1e-5)
     assert not normed.isnan().any()
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1, 20, 37, 50])
+def test_layer_ops_at_widths_off_the_vector_lanes(ext, dtype, width):
+    """Rows whose width is not a multiple of the 16 vector lanes (the AVX-512 row ops' masked tails): RoPE exact (a
+    lane written past a half would show in the other half or the next head), silu * mul and add + RMSNorm within an
+    ulp of torch's ops."""
+    torch.manual_seed(width)
+    T, H = 7, 3
+    d = 2 * width  # RoPE's half: width
+    x = torch.randn(T, H, d).to(dtype)
+    cos, sin = torch.randn(T, d).to(dtype), torch.randn(T, d).to(dtype)
+    x1, x2 = x[..., :width], x[..., width:]
+    rotate_half = torch.cat((-x2, x1), dim=-1)
+    ref = x * cos[:, None] + rotate_half * sin[:, None]  # transformers' apply_rotary_pos_emb, dtype ops
+    got = x.clone()
+    ext.rotary_embedding_(got, torch.zeros(T, 0, d, dtype=dtype), cos, sin)
+    assert torch.equal(got, ref)
+
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -6, atol=1e-5)
+    gate_up = (torch.randn(T, 2 * width + 16) * 3).to(dtype)  # a strided view, a row's end followed by more
+    gate, up = gate_up[:, :width], gate_up[:, width : 2 * width]
+    out = ext.silu_and_mul(gate, up)
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, **tol)
+
+    a, b, w = torch.randn(T, width).to(dtype), torch.randn(T, width).to(dtype), torch.randn(width).to(dtype)
+    total, normed = ext.add_rms_norm(a, b, w, 1e-6)
+    assert torch.equal(total, a + b)
+    s = total.float()
+    want = w * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    torch.testing.assert_close(normed, want, **tol)
+    want = w * (a.float() * torch.rsqrt(a.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    torch.testing.assert_close(ext.rms_norm(a, w, 1e-6), want, **tol)
