@@ -172,3 +172,25 @@ def test_a_prompt_whose_last_token_alone_follows_a_prefix_hit_gets_what_it_gets_
         assert a.token_ids == b.token_ids
         assert [sorted((t, lp.logprob) for t, lp in s.items()) for s in a.logprobs] == \
             [sorted((t, lp.logprob) for t, lp in s.items()) for s in b.logprobs]
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_prompts_with_and_without_amx_tiles(amx, monkeypatch):
+    """bf16 prompts take AMX tiles where AMX runs, the vdpbf16ps products elsewhere (or with AMX turned off): both
+    against the reference, over whole prompts, chunks after a cached context and lengths off the 16-row and 32-key
+    steps (unwritten cache slots hold NaN)."""
+    ext = _prefill_kernel_or_skip(64)
+    from pagedcore.kernels import cpu_attention
+
+    monkeypatch.setattr(cpu_attention.F, "scaled_dot_product_attention",
+                        lambda *a, **k: pytest.fail("SDPA ran: the kernel should have taken every prompt"))
+    before = ext.set_prefill_amx(amx)
+    try:
+        query_lens, seq_lens = [17, 33, 1, 100, 5], [17, 70, 20, 130, 37]
+        b = make_paged_batch(query_lens, seq_lens, 9, 3, 64, 16, torch.bfloat16, "cpu", seed=5)
+        b.write_new_tokens()
+        out = cpu_paged_attention(b.query, b.k_cache, b.v_cache, b.metadata, 0.125)
+        ref = ref_paged_attention(b.query, b.k_cache, b.v_cache, b.metadata, 0.125)
+        assert not out.isnan().any() and rel_err(out, ref) < 2e-2
+    finally:
+        ext.set_prefill_amx(before)

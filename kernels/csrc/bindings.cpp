@@ -10,6 +10,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query"), py::arg("rows"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
         py::arg("seq_lens"), py::arg("window"), py::arg("threads"));
   m.def("paged_prefill_supported", &paged_prefill_supported, "whether paged_prefill runs here for this head_dim");
+  m.def("set_prefill_amx", &set_prefill_amx, "allow AMX tiles in bf16 prefill attention (default); returns the old");
   m.def("paged_prefill", &paged_prefill,
         "causal attention of prompt rows (query rows [start, end) of each listed sequence, the last rows of its "
         "seq_len positions) over the paged cache, into out",

@@ -31,6 +31,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -356,7 +357,8 @@ PC_DP_INLINE void transpose16(__m512i r[16]) {
 // bundled model, 2 threads, AMX Xeon, best of 6): 330-352 -> 293-297 ms; offline bench workload, six alternated
 // rounds: 905 -> 924 tok/s (mean).
 constexpr int64_t kAmxRows = 16;
-bool amx_attention() { return vnni_amx(); }
+std::atomic<bool> amx_allowed{true};  // set_prefill_amx: tests run the vdpbf16ps products on AMX CPUs too
+bool amx_attention() { return vnni_amx() && amx_allowed.load(std::memory_order_relaxed); }
 
 #if defined(__x86_64__)
 struct AmxTileConfig {
@@ -586,6 +588,14 @@ void run_item(const Prefill& a, int64_t seq, int64_t g, int64_t q0, int64_t q1, 
 }
 #endif
 }  // namespace
+
+bool set_prefill_amx(bool on) {
+#if defined(PC_PREFILL) && defined(__AVX512BF16__)
+  return amx_allowed.exchange(on);
+#else
+  return false;
+#endif
+}
 
 bool paged_prefill_supported(int64_t head_dim) {
 #ifdef PC_PREFILL

@@ -23,6 +23,8 @@ torch::Tensor decode_kv_lines(torch::Tensor query, torch::Tensor rows, torch::Te
 
 // cpu_prefill_attention.cpp: causal attention of prompt rows over the paged cache (AVX-512 CPUs, head_dim % 16 == 0)
 bool paged_prefill_supported(int64_t head_dim);
+// Whether bf16 prompts may take AMX tiles where they run (default on); returns the previous setting. For tests.
+bool set_prefill_amx(bool on);
 void paged_prefill(torch::Tensor query, torch::Tensor out, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor block_table, std::vector<int64_t> seqs, std::vector<int64_t> q_starts,
                    std::vector<int64_t> q_ends, std::vector<int64_t> seq_lens, double scale,
