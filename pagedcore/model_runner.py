@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedcore import fused_norms, fused_projections, heap_tuning, huge_pages, lean_layers, packed_linear
+from pagedcore import fused_norms, fused_projections, heap_tuning, huge_pages, lean_layers, packed_linear, vector_math
 from pagedcore.attention import hf_glue
 from pagedcore.attention.backend import AttentionMetadata
 from pagedcore.config import EngineConfig
@@ -64,6 +64,7 @@ def available_memory(device: torch.device) -> int:
 class ModelRunner:
     def __init__(self, config: EngineConfig, model, backend, device: torch.device, dtype: torch.dtype,
                  prefaulted: huge_pages.Prefault | None = None):
+        vector_math.warm_up()  # before any forward or table (the RoPE one) calls into it on two threads at once
         self.config = config
         self.model = model
         self.backend = backend

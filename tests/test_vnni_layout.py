@@ -147,6 +147,10 @@ def test_engine_same_tokens_as_the_panels(ext, tiny_model_dir, monkeypatch):
             llm = LLM(str(tiny_model_dir("llama")), dtype="bfloat16", num_kv_blocks=64, decode_stack=stack)
             fused = fused_projections.installed(llm.engine.model)
             assert fused and all(vnni_layout.is_packed(f.spec[0]) == (setting == "on") for f in fused)
+            if stack:  # the RoPE table the stack keeps is the rotary module's, bit for bit (vector_math.py)
+                ds = llm.engine.runner.decode_stack
+                cos, sin = ds.base.rotary_emb(torch.zeros(1, 1, dtype=torch.bfloat16), torch.arange(len(ds._rope_table[0]))[None])
+                assert torch.equal(ds._rope_table[0], cos[0]) and torch.equal(ds._rope_table[1], sin[0])
             out = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
             out += [o.outputs[0] for o in llm.generate(prompts[:2], params, use_tqdm=False)]
             out += [o.outputs[0] for o in llm.generate(prompts[:1], params, use_tqdm=False)]
