@@ -166,12 +166,35 @@ __attribute__((target("amx-tile,amx-bf16"), noinline)) void amx_2x2(const c10::B
   _tile_stored(3, c + 16 * 32 + 16, 2 * 64);
 }
 
+// Two panels x one row tile (<= 16 rows): a thread's panels past its fours (k/v's 6 a thread: 4 + 2), with the
+// same prefetches as amx_4x1.
+__attribute__((target("amx-tile,amx-bf16"), noinline)) void amx_2x1(const c10::BFloat16* a, const c10::BFloat16* w,
+                                                                    int64_t K, float* c) {
+  const int64_t ks = K / KT, ps = ks * TILE;
+  _tile_zero(0); _tile_zero(1);
+  for (int64_t k = 0; k < ks; ++k) {
+    for (int q = 0; q < 2; ++q)
+      for (int l = 0; l < 1024; l += 512)
+        _mm_prefetch(reinterpret_cast<const char*>(w + q * ps + (k + PF / 2) * TILE) + l, _MM_HINT_T0);
+    _tile_loadd(4, a + k * KT, K * 2);
+    _tile_loadd(6, w + k * TILE, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, w + ps + k * TILE, 64);
+    _tile_dpbf16ps(1, 4, 7);
+  }
+  _tile_stored(0, c, 4 * 64);
+  _tile_stored(1, c + 16, 4 * 64);
+}
+
 // One panel x one row tile: what is left over.
 __attribute__((target("amx-tile,amx-bf16"), noinline)) void amx_1x1(const c10::BFloat16* a, const c10::BFloat16* w,
-                                                                    int64_t K, float* c) {
+                                                                    int64_t K, float* c, bool prefetch = false) {
   const int64_t ks = K / KT;
   _tile_zero(0);
   for (int64_t k = 0; k < ks; ++k) {
+    if (prefetch)
+      for (int l = 0; l < 1024; l += 512)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (k + PF / 2) * TILE) + l, _MM_HINT_T0);
     _tile_loadd(6, w + k * TILE, 64);
     _tile_loadd(4, a + k * KT, K * 2);
     _tile_dpbf16ps(0, 4, 6);
@@ -200,6 +223,16 @@ void amx_panels(const PackedWeight& w, const GemmInput& in, X* y, int64_t p0, in
     for (; p + 4 <= p1; p += 4) {
       amx_4x1(in.tile(0, K), W + p * ps, K, c);
       for (int q = 0; q < 4; ++q) store(c + q * 16, 64, 0, 16, p + q);
+    }
+    if (p + 2 <= p1) {
+      amx_2x1(in.tile(0, K), W + p * ps, K, c);
+      for (int q = 0; q < 2; ++q) store(c + q * 16, 64, 0, 16, p + q);
+      p += 2;
+    }
+    if (p < p1) {
+      amx_1x1(in.tile(0, K), W + p * ps, K, c, true);
+      store(c, 16, 0, 16, p);
+      ++p;
     }
   } else {
     const int64_t pairs_end = p0 + (p1 - p0) / 2 * 2, block = 2 * std::max<int64_t>(1, BLOCK_BYTES / (2 * ps * 2));
