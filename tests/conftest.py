@@ -16,6 +16,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The HF references (transformers' own forwards) may be a process's first cos/sin, before any engine's model runner
+# settles MKL's vector math (pagedcore/vector_math.py: a first call on two threads at once sometimes came back at
+# ~12 bits on the main thread's share).
+from pagedcore import vector_math  # noqa: E402
+
+vector_math.warm_up()
+
 # Memory (issue 14.10): the suite peaked at ~12.6 GB. Two causes here, neither a test's own need:
 # 1. An LLM/LLMEngine sits in reference cycles, so an engine a test made (weights + KV cache,
 #    ~1.2 GB for SmolLM2) outlives the test until a full gc happens to run; several piled up.
